@@ -1,0 +1,28 @@
+"""The one place that papers over differences between torch versions (>= 2.4).
+
+torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in
+favour of ``all_gather_single`` / ``reduce_scatter_single``; older releases only
+have the former. Every part's collectives module calls these two wrappers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None,
+                    async_op: bool = False) -> Any:
+    """All-gather equal 1-D chunks ``input`` of every rank into ``output`` (rank order)."""
+    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                        group: Optional[Any] = None, async_op: bool = False) -> Any:
+    """Reduce ``input`` (world_size equal chunks) across ranks; this rank's chunk lands in ``output``."""
+    return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
