@@ -1,0 +1,51 @@
+"""Character-level text every machine has: a seeded selection of the Python standard library's sources.
+
+Tokens are byte values clipped to ASCII (0..127), so the vocabulary is fixed at 128 and a
+user's own ``--data`` file works with the same model.
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+VOCAB_SIZE = 128
+
+
+def stdlib_text(num_files: int = 40, seed: int = 1234) -> str:
+    """Concatenate ``num_files`` source files of the standard library, chosen with ``seed``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if 2_000 < p.stat().st_size < 200_000)
+    chosen = random.Random(seed).sample(files, min(num_files, len(files)))
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace") for path in chosen)
+
+
+def encode(text: str) -> torch.Tensor:
+    """Text to a 1-D int64 tensor of ASCII codes (other characters become '?')."""
+    data = text.encode("ascii", errors="replace")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64).clamp_(max=127)
+
+
+def decode(tokens: torch.Tensor) -> str:
+    """ASCII codes back to text."""
+    return bytes(tokens.tolist()).decode("ascii", errors="replace")
+
+
+def load_splits(path: Optional[str], val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoded train and validation tokens from ``path`` or from the standard library."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace") if path else stdlib_text()
+    tokens = encode(text)
+    split = int(len(tokens) * (1 - val_fraction))
+    return tokens[:split], tokens[split:]
+
+
+def batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    """A random batch of ``(inputs, targets)`` windows drawn with ``generator``."""
+    starts = torch.randint(len(tokens) - seq_len - 1, (batch_size,), generator=generator)
+    inputs = torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
+    targets = torch.stack([tokens[s + 1:s + seq_len + 1] for s in starts.tolist()])
+    return inputs, targets
