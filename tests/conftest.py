@@ -1,4 +1,4 @@
-"""Shared pytest set-up: the worker pools of tests/harness.py live for the session."""
+"""Shared pytest set-up: build the native ops once up front; worker pools live for the session."""
 
 import os
 import sys
@@ -6,6 +6,13 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import harness  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    # The first native build takes 25-80 s on 2 cores: pay it here, once, before any forked
+    # worker (whose per-test timeout it would eat) and before the workers are forked.
+    from parts.csrc import native
+    native.available()
 
 
 def pytest_sessionfinish(session, exitstatus):
