@@ -13,6 +13,8 @@ def pytest_sessionstart(session):
     # worker (whose per-test timeout it would eat) and before the workers are forked.
     from parts.csrc import native
     native.available()
+    # torch optimizers import torch._dynamo on their first step (about 9 s): once, pre-fork.
+    import torch._dynamo  # noqa: F401
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,5 +1,47 @@
-"""parts.partition: sharded parameters, gathered on demand."""
+"""parts.partition: sharded parameters, gathered on demand.
 
+Build a model under ``partitioned()`` (or call ``partition_module``) and every parameter
+keeps only this rank's shard; ``gather``/``release``/``gathered`` bring full tensors in
+and out, ``reduce_scatter_grads`` turns full grads into fp32 grad shards, ``shards`` hands
+the shards to any torch optimizer, ``full_state_dict``/``load_full_state_dict`` move
+consolidated weights.
+
+Example (``torchrun --nproc-per-node 2``)::
+
+    import torch, torch.distributed as dist
+    from parts.partition import partitioned, gathered, reduce_scatter_grads, shards, full_state_dict
+
+    dist.init_process_group("gloo")
+    with partitioned():                        # each module is sharded right after its __init__
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    optimizer = torch.optim.AdamW(shards(model), lr=1e-3)
+    with gathered(model.parameters()):         # full weights inside (a coordinator does this per module)
+        model(torch.randn(4, 1024)).square().mean().backward()
+        reduce_scatter_grads(model.parameters())  # fp32 grad shards, averaged over ranks
+    optimizer.step()                           # steps this rank's shards
+    state = full_state_dict(model)             # plain state_dict keys, on rank 0
+"""
+
+from parts.partition._collectives import CommCounter, comm_counter
+from parts.partition.construct import partition_module, partitioned
+from parts.partition.gather import GatherHandle, gather, release
+from parts.partition.gathered import gathered
+from parts.partition.grads import reduce_scatter_grads, shards
 from parts.partition.layout import ShardLayout
+from parts.partition.param import ParamMeta, ParamStatus, is_partitioned, meta
+from parts.partition.state_dict import full_state_dict, load_full_state_dict
 
-__all__ = ["ShardLayout"]
+# --- coordinator (added by the lead) ------------------------------------------------
+# from parts.partition.coordinator import FetchCoordinator, attach, detach
+# ------------------------------------------------------------------------------------
+
+__all__ = [
+    "ShardLayout",
+    "partitioned", "partition_module",
+    "ParamMeta", "ParamStatus", "is_partitioned", "meta",
+    "GatherHandle", "gather", "release", "gathered",
+    "reduce_scatter_grads", "shards",
+    "full_state_dict", "load_full_state_dict",
+    "CommCounter", "comm_counter",
+    # coordinator (added by the lead): "FetchCoordinator", "attach", "detach",
+]

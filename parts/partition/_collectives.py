@@ -1,0 +1,135 @@
+"""Every collective of ``parts.partition``, with a byte counter the coordinator can read.
+
+Built on ``parts._compat`` (``all_gather_flat`` / ``reduce_scatter_flat``) and
+``torch.distributed.broadcast``. A process without an initialised process group is a
+world of one (collectives become local copies), unless the environment says
+``WORLD_SIZE > 1``: then the caller forgot ``init_process_group`` and every rank would
+silently hold the whole model, so ``resolve_group`` raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from parts._compat import all_gather_flat, reduce_scatter_flat
+
+__all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather",
+           "reduce_scatter_sum", "broadcast", "broadcast_object", "Work"]
+
+
+@dataclass
+class CommCounter:
+    """Bytes and calls of the collectives issued by ``parts.partition`` in this process."""
+
+    allgather_bytes: int = 0
+    allgather_calls: int = 0
+    reduce_scatter_bytes: int = 0
+    reduce_scatter_calls: int = 0
+    broadcast_bytes: int = 0
+    broadcast_calls: int = 0
+
+    def reset(self) -> None:
+        """Zero every counter (e.g. at the start of a step)."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters as a plain dict."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+comm_counter = CommCounter()
+"""Process-wide counter: all-gather bytes are output (full) bytes, reduce-scatter bytes input (full) bytes."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A resolved process group: the handle to pass to torch, this rank in it, its size."""
+
+    group: Any
+    rank: int
+    world_size: int
+
+    def global_rank(self, group_rank: int) -> int:
+        """Global rank of ``group_rank`` in this group (for ``broadcast``'s ``src``)."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def resolve_group(group: Any = None) -> GroupInfo:
+    """Resolve ``group`` (None = the default group), refusing an accidental world of one."""
+    env = _env_world_size()
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise RuntimeError("parts.partition: a process group was given but torch.distributed "
+                               "is not initialised")
+        if env > 1:
+            raise RuntimeError(f"parts.partition: WORLD_SIZE={env} in the environment but "
+                               "torch.distributed is not initialised; every rank would hold the "
+                               "whole model. Call torch.distributed.init_process_group first.")
+        return GroupInfo(None, 0, 1)
+    handle = dist.group.WORLD if group is None else group
+    size = dist.get_world_size(handle)
+    if size == 1 and env > 1 and handle is dist.group.WORLD:
+        raise RuntimeError(f"parts.partition: the default process group has one rank but "
+                           f"WORLD_SIZE={env}; every rank would hold the whole model")
+    return GroupInfo(handle, dist.get_rank(handle), size)
+
+
+class Work:
+    """A finished (or local) collective: ``wait()`` returns at once."""
+
+    def wait(self) -> bool:
+        """Nothing to wait for."""
+        return True
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, async_op: bool = False) -> Any:
+    """All-gather equal chunks ``inp`` into ``out`` (rank order); a work handle if ``async_op``."""
+    comm_counter.allgather_calls += 1
+    comm_counter.allgather_bytes += out.numel() * out.element_size()
+    if info.world_size == 1:
+        out.copy_(inp)
+        return Work() if async_op else None
+    return all_gather_flat(out, inp, group=info.group, async_op=async_op)
+
+
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo) -> None:
+    """Sum ``inp`` (world_size equal chunks) over ranks; this rank's chunk lands in ``out``."""
+    comm_counter.reduce_scatter_calls += 1
+    comm_counter.reduce_scatter_bytes += inp.numel() * inp.element_size()
+    if info.world_size == 1:
+        out.copy_(inp)
+        return
+    reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=info.group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:
+    """Broadcast ``tensor`` in place from group rank ``src``."""
+    comm_counter.broadcast_calls += 1
+    comm_counter.broadcast_bytes += tensor.numel() * tensor.element_size()
+    if info.world_size == 1 or tensor.numel() == 0:
+        return
+    dist.broadcast(tensor, src=info.global_rank(src), group=info.group)
+
+
+def broadcast_object(obj: Optional[object], src: int, info: GroupInfo) -> object:
+    """Broadcast a picklable object from group rank ``src``; returns it on every rank."""
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=info.global_rank(src), group=info.group)
+    return box[0]

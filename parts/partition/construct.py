@@ -1,0 +1,275 @@
+"""Shard parameters as a model is built: ``partitioned(...)`` and ``partition_module``.
+
+Mechanism (and why). Inside ``partitioned`` every ``nn.Module`` subclass's own
+``__init__`` is wrapped (classes defined inside the context too, via
+``__init_subclass__``); when the *outermost* ``__init__`` of an object returns, all of its
+parameters not yet sharded are broadcast from group rank 0 and sharded (one collective
+per module). So a 78-layer stack never holds more than the shards plus one layer.
+
+Parents that re-initialise children after those were sharded (nanoGPT's
+``self.apply(self._init_weights)``, Hugging Face ``post_init``, ``reset_parameters()``, an
+in-place ``nn.init.*_`` on a child's weight, ``w.data.normal_()``) keep working through a
+``TorchFunctionMode`` (``_intercept``): any torch call touching a released parameter first
+gathers it, runs on the real full tensor with the real RNG, and the touched parameter is
+re-sharded (rank 0's values) when the innermost frame ends: an ``nn.init`` call, one
+``fn(module)`` of ``Module.apply`` (patched to open a frame), a constructor, the context.
+Shape queries are answered from the record without gathering. Alternatives rejected:
+keeping params full until the outermost constructor ends breaks the memory bound; a
+meta-device build cannot replay an init function that reads other parameters; patching
+only ``nn.init`` misses ``.data.normal_()`` and friends. Since each rank runs the same
+init code with its own generator and nothing here draws random numbers, rank 0 (and a
+world-1 build) ends bitwise equal to the plain build with rank 0's seed.
+
+Patches (``__init__`` wrappers, ``Module.apply``, ``Module.register_parameter``,
+``Module.__init_subclass__``, the mode) are installed by the outermost active context and
+all removed on its exit; nothing leaks. Parameters registered later (``register_parameter``
+or attribute assignment on a module built in the context) are sharded at once while the
+context is active. Buffers stay full and are broadcast from rank 0. A module owning
+sharded parameters gets a forward pre-hook that raises, naming the parameter and the
+module, if one is not gathered (fetch hooks of a coordinator must use ``prepend=True``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from parts.partition import _intercept
+from parts.partition._collectives import GroupInfo, broadcast, resolve_group
+from parts.partition.param import ParamStatus, internal, is_partitioned, meta
+from parts.partition.sharding import ShardSpec, shard_params
+
+__all__ = ["partitioned", "partition_module"]
+
+_SPEC, _DISABLED, _NAME, _HOOK = "_parts_spec", "_parts_disabled", "_parts_name", "_parts_check_hook"
+
+
+class _State:
+    """Patches and bookkeeping shared by all active ``partitioned`` contexts."""
+
+    def __init__(self) -> None:
+        self.configs: list[Optional[ShardSpec]] = []  # None = an enabled=False context
+        self.building: dict[int, list] = {}  # id(module) -> [init depth, spec]
+        self.restore: list[tuple[type, str, Any]] = []
+        self.mode: Optional[_intercept.Interceptor] = None
+
+
+_state = _State()
+
+
+def _owned(module: nn.Module):
+    """``(param_name, module_name, owner, p)`` for every distinct parameter under ``module``."""
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield (f"{mod_name}.{name}" if mod_name else name), mod_name, mod, p
+
+
+def _check_available(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook: raise naming the parameter and module if a sharded param is released."""
+    for p in module._parameters.values():
+        if p is not None and is_partitioned(p) and meta(p).status is not ParamStatus.AVAILABLE:
+            m = meta(p)
+            raise RuntimeError(
+                f"parts.partition: {m.describe()} is {m.status.value} in the forward of module "
+                f"'{module.__dict__.get(_NAME, '')}' ({type(module).__name__}); gather it first "
+                f"(parts.partition.gather, gathered(...), or attach a FetchCoordinator)")
+
+
+def _adopt(module: nn.Module, spec: ShardSpec) -> None:
+    """Shard ``module``'s unsharded params, sync its buffers, name records, add check hooks."""
+    todo = [(q, p) for q, _, mod, p in _owned(module)
+            if not is_partitioned(p) and not mod.__dict__.get(_DISABLED)]
+    shard_params(todo, spec)
+    for mod_name, mod in module.named_modules():
+        mod.__dict__[_NAME] = mod_name
+    for qname, mod_name, mod, p in _owned(module):
+        if is_partitioned(p):
+            m = meta(p)
+            m.name, m.module_name, m.module_type = qname, mod_name, type(mod).__name__
+            if _HOOK not in mod.__dict__:
+                mod.__dict__[_HOOK] = mod.register_forward_pre_hook(_check_available)
+    _sync_buffers(module, spec.info)
+
+
+def _sync_buffers(module: nn.Module, info: GroupInfo) -> None:
+    """Broadcast the module's buffers from group rank 0 (one collective per dtype)."""
+    if info.world_size == 1:
+        return
+    bufs = [b for b in module.buffers() if b is not None and b.numel()]
+    for dtype in sorted({b.dtype for b in bufs}, key=str):
+        group = [b for b in bufs if b.dtype == dtype]
+        flat = torch.cat([b.detach().reshape(-1) for b in group])
+        broadcast(flat, 0, info)
+        off = 0
+        for b in group:
+            with torch.no_grad():
+                b.copy_(flat[off:off + b.numel()].view_as(b))
+            off += b.numel()
+
+
+# ----------------------------------------------------------------- patches
+def _enter_init(module: nn.Module) -> None:
+    entry = _state.building.get(id(module))
+    if entry is None:
+        _state.building[id(module)] = [1, _state.configs[-1] if _state.configs else None]
+        _intercept.push_frame()
+    else:
+        entry[0] += 1
+
+
+@internal
+def _after_init(module: nn.Module, spec: Optional[ShardSpec]) -> None:
+    if spec is None:
+        module.__dict__[_DISABLED] = True
+        return
+    module.__dict__[_SPEC] = spec
+    _adopt(module, spec)
+
+
+def _exit_init(module: nn.Module, ok: bool) -> None:
+    entry = _state.building[id(module)]
+    entry[0] -= 1
+    if entry[0]:
+        return
+    del _state.building[id(module)]
+    _intercept.pop_frame(ok)
+    if ok:
+        _after_init(module, entry[1])
+
+
+def _wrap_init(cls: type) -> None:
+    orig = cls.__dict__.get("__init__")
+    if orig is None or getattr(orig, "_parts_wrapped", False) or not callable(orig):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        _enter_init(self)
+        ok = False
+        try:
+            orig(self, *args, **kwargs)
+            ok = True
+        finally:
+            _exit_init(self, ok)
+
+    __init__._parts_wrapped = True
+    try:
+        type.__setattr__(cls, "__init__", __init__)
+    except TypeError:  # an immutable (extension) type: its modules are adopted by their parents
+        return
+    _state.restore.append((cls, "__init__", orig))
+
+
+def _init_subclass(cls: type, **kwargs: Any) -> None:
+    super(nn.Module, cls).__init_subclass__(**kwargs)
+    _wrap_init(cls)
+
+
+def _apply(self: nn.Module, fn: Any) -> nn.Module:
+    for child in self.children():
+        child.apply(fn)
+    with _intercept.frame():
+        fn(self)
+    return self
+
+
+def _register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    _ORIG_REGISTER(self, name, param)
+    spec = self.__dict__.get(_SPEC)
+    if param is None or spec is None or id(self) in _state.building or is_partitioned(param):
+        return
+    with internal:
+        prefix = self.__dict__.get(_NAME, "")
+        shard_params([(f"{prefix}.{name}" if prefix else name, param)], spec)
+        meta(param).module_name, meta(param).module_type = prefix, type(self).__name__
+        if _HOOK not in self.__dict__:
+            self.__dict__[_HOOK] = self.register_forward_pre_hook(_check_available)
+
+
+_ORIG_REGISTER = nn.Module.register_parameter
+
+
+def _module_classes() -> list[type]:
+    seen, stack = [], [nn.Module]
+    while stack:
+        cls = stack.pop()
+        if cls not in seen:
+            seen.append(cls)
+            stack.extend(cls.__subclasses__())
+    return seen
+
+
+def _install() -> None:
+    for cls in _module_classes():
+        _wrap_init(cls)
+    for name, value in (("apply", _apply), ("register_parameter", _register_parameter),
+                        ("__init_subclass__", classmethod(_init_subclass))):
+        _state.restore.append((nn.Module, name, nn.Module.__dict__.get(name)))
+        type.__setattr__(nn.Module, name, value)
+    _state.mode = _intercept.Interceptor()
+    _state.mode.__enter__()
+    _intercept.push_frame()
+
+
+def _uninstall(ok: bool) -> None:
+    try:
+        _intercept.pop_frame(ok)
+    finally:
+        _state.mode.__exit__(None, None, None)
+        _state.mode = None
+        for cls, name, value in reversed(_state.restore):
+            if value is None:
+                type.__delattr__(cls, name)
+            else:
+                type.__setattr__(cls, name, value)
+        _state.restore.clear()
+        _state.building.clear()
+
+
+# ----------------------------------------------------------------- public
+class partitioned:
+    """Context manager: every module built inside has its parameters sharded after its ``__init__``."""
+
+    def __init__(self, group: Any = None, *, dtype: Optional[torch.dtype] = None,
+                 device: Any = None, remote_device: Any = None, pin_memory: bool = False,
+                 enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._args = (group, dtype, device, remote_device, pin_memory)
+        self._pushed = False
+
+    def __enter__(self) -> "partitioned":
+        group, dtype, device, remote_device, pin_memory = self._args
+        spec = (ShardSpec(resolve_group(group), dtype, device, remote_device, pin_memory)
+                if self.enabled else None)
+        if not _state.configs and not self.enabled:
+            return self  # a plain build: nothing to patch
+        if not _state.configs:
+            _install()
+        _state.configs.append(spec)
+        self._pushed = True
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if not self._pushed:
+            return
+        self._pushed = False
+        _state.configs.pop()
+        if not _state.configs:
+            _uninstall(exc_type is None)
+
+
+@internal
+def partition_module(module: nn.Module, group: Any = None, *, dtype: Optional[torch.dtype] = None,
+                     device: Any = None, remote_device: Any = None, pin_memory: bool = False) -> nn.Module:
+    """Shard an existing module's parameters in place (rank 0's values); returns ``module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"partition_module: expected an nn.Module, got {type(module).__name__}")
+    spec = ShardSpec(resolve_group(group), dtype, device, remote_device, pin_memory)
+    _adopt(module, spec)
+    return module

@@ -1,0 +1,124 @@
+"""Gather and release sharded parameters: one coalesced all-gather per call.
+
+``gather`` packs the shards of every requested parameter (sorted by id, so all ranks
+agree on the layout) into one flat send buffer with ``parts.csrc.copy_in``, all-gathers
+it, and unpacks the full tensors with ``parts.csrc.copy_out``. Parameters of several
+dtypes travel in one byte buffer. Fetch is idempotent: AVAILABLE params are skipped,
+INFLIGHT params are not requested again, their pending handle is joined.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from parts import csrc
+from parts.partition._collectives import GroupInfo, all_gather
+from parts.partition.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
+                                   internal, metas_sorted)
+
+__all__ = ["GatherHandle", "gather", "release"]
+
+Pairs = list[tuple[nn.Parameter, ParamMeta]]
+
+
+class GatherHandle:
+    """A pending gather: ``wait()`` unpacks the full tensors (idempotent) and joins others."""
+
+    def __init__(self, pairs: Pairs, work: Any = None, unpack: Any = None,
+                 joined: Iterable["GatherHandle"] = ()) -> None:
+        self._pairs, self._work, self._unpack = pairs, work, unpack
+        self._joined = [h for h in joined if h is not self]
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """True once ``wait()`` has completed."""
+        return self._done
+
+    @internal
+    def wait(self) -> None:
+        """Wait for the collective, fill ``p.data`` of every fetched param, wait joined handles."""
+        if self._done:
+            return
+        self._done = True
+        if self._work is not None:
+            self._work.wait()
+        if self._unpack is not None:
+            self._unpack()
+        for p, m in self._pairs:
+            m.status, m.handle = ParamStatus.AVAILABLE, None
+        for h in self._joined:
+            h.wait()
+
+
+def _unit_dtype(pairs: Pairs) -> torch.dtype:
+    """The element type of the flat buffer: the params' dtype, or bytes if they differ."""
+    dtypes = {m.dtype for _, m in pairs}
+    return dtypes.pop() if len(dtypes) == 1 else torch.uint8
+
+
+def _as_units(t: torch.Tensor, unit: torch.dtype) -> torch.Tensor:
+    """1-D view of contiguous ``t`` in ``unit`` elements."""
+    flat = t.reshape(-1)
+    return flat if flat.dtype == unit else flat.view(unit)
+
+
+def _plan(pairs: Pairs, unit: torch.dtype) -> tuple[list[int], list[int], int]:
+    """Per-param shard sizes and offsets (in units) inside one rank's chunk, and the chunk size."""
+    scale = [1 if unit == m.dtype else m.dtype.itemsize for _, m in pairs]
+    sizes = [m.layout.shard_numel * s for (_, m), s in zip(pairs, scale)]
+    offsets = list(itertools.accumulate([0] + sizes[:-1]))
+    return sizes, offsets, sum(sizes)
+
+
+def _launch(pairs: Pairs, info: GroupInfo, async_op: bool) -> GatherHandle:
+    """Pack shards, start the all-gather, return the handle that unpacks."""
+    device, unit = pairs[0][1].device, _unit_dtype(pairs)
+    sizes, offsets, chunk = _plan(pairs, unit)
+    send = alloc(chunk, unit, device)
+    csrc.copy_in([_as_units(m.shard.to(device, non_blocking=True), unit) for _, m in pairs],
+                 send, offsets)
+    recv = alloc(chunk * info.world_size, unit, device)
+    work = all_gather(recv, send, info, async_op=async_op)
+
+    def unpack() -> None:
+        fulls = [alloc(m.numel, m.dtype, m.device) for _, m in pairs]
+        csrc.copy_out(recv, [_as_units(f, unit) for f in fulls], info.world_size, offsets, sizes)
+        for (p, m), full in zip(pairs, fulls):
+            p.data = full.view(m.shape)
+
+    return GatherHandle(pairs, work, unpack)
+
+
+@internal
+def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = False) -> Optional[GatherHandle]:
+    """Make ``params`` full (``p.data`` gets the global tensor) with one coalesced all-gather."""
+    pairs = metas_sorted(params)
+    info = common_info(pairs, group, "gather")
+    todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE]
+    joined = {id(m.handle): m.handle for _, m in pairs
+              if m.status is ParamStatus.INFLIGHT and m.handle is not None}
+    handle = GatherHandle([], joined=joined.values())
+    if todo:
+        handle = _launch(todo, info, async_op)
+        handle._joined = list(joined.values())
+        for _, m in todo:
+            m.status, m.handle = ParamStatus.INFLIGHT, handle
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
+
+
+@internal
+def release(params: Iterable[nn.Parameter]) -> None:
+    """Free the full storage of ``params`` (status NOT_AVAILABLE); waits an in-flight gather first."""
+    for p, m in metas_sorted(params):
+        if m.status is ParamStatus.INFLIGHT and m.handle is not None:
+            m.handle.wait()
+        p.data = empty_like_released(m.dtype, m.device)
+        m.status, m.handle = ParamStatus.NOT_AVAILABLE, None

@@ -1,0 +1,133 @@
+"""Consolidated (full) state dicts in and out of a sharded model.
+
+``full_state_dict`` has exactly the keys, order and shapes of the plain module's
+``state_dict()`` (tied weights appear under every key, as in torch). Parameters are
+gathered in buckets of ``bucket_numel`` elements and released again, so the peak is the
+output plus one bucket. ``load_full_state_dict`` loads **rank 0's** dict on every rank:
+rank 0 checks keys and shapes (the verdict is broadcast so all ranks raise together),
+then broadcasts each bucket and every rank keeps its slice; other ranks may pass ``{}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from parts.partition._collectives import GroupInfo, broadcast, broadcast_object, resolve_group
+from parts.partition.gather import gather, release
+from parts.partition.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted
+from parts.partition.sharding import write_shard
+
+__all__ = ["full_state_dict", "load_full_state_dict"]
+
+_BUCKET = 50_000_000
+
+
+def _buckets(pairs: list, limit: int) -> Iterator[list]:
+    """Consecutive runs of ``pairs`` with at most ``limit`` elements (at least one pair each)."""
+    run, size = [], 0
+    for pm in pairs:
+        if run and size + pm[1].numel > limit:
+            yield run
+            run, size = [], 0
+        run.append(pm)
+        size += pm[1].numel
+    if run:
+        yield run
+
+
+def _partitioned_pairs(sd: Mapping[str, Any]) -> list:
+    return metas_sorted(v for v in sd.values() if is_partitioned(v))
+
+
+def _info(pairs: list) -> GroupInfo:
+    return pairs[0][1].info if pairs else resolve_group(None)
+
+
+@internal
+def full_state_dict(module: nn.Module, rank0_only: bool = True, bucket_numel: int = _BUCKET) -> dict[str, Any]:
+    """The plain ``state_dict()`` of a sharded module (on rank 0 only, ``{}`` elsewhere, if ``rank0_only``)."""
+    own = module.state_dict(keep_vars=True)
+    pairs = _partitioned_pairs(own)
+    keep = not rank0_only or _info(pairs).rank == 0
+    full: dict[int, torch.Tensor] = {}
+    for bucket in _buckets(pairs, bucket_numel):
+        ours = [p for p, m in bucket if m.status is not ParamStatus.AVAILABLE]
+        gather([p for p, _ in bucket])
+        if keep:
+            full.update({id(p): p.detach() for p, _ in bucket})
+        release(ours)
+    if not keep:
+        return {}
+    return {k: (full[id(v)] if is_partitioned(v) else v.detach() if isinstance(v, torch.Tensor) else v)
+            for k, v in own.items()}
+
+
+def _shape_of(v: torch.Tensor) -> torch.Size:
+    return meta(v).shape if is_partitioned(v) else v.shape
+
+
+def _verdict(own: Mapping[str, Any], sd: Mapping[str, Any], strict: bool) -> Optional[str]:
+    """The error message for ``sd`` against the module's keys and shapes, or None."""
+    tensors = {k for k, v in own.items() if isinstance(v, torch.Tensor)}
+    missing = [k for k in tensors if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    errors = [f"size mismatch for '{k}': checkpoint {tuple(sd[k].shape)}, model {tuple(_shape_of(own[k]))}"
+              for k in tensors if k in sd and tuple(sd[k].shape) != tuple(_shape_of(own[k]))]
+    if strict and missing:
+        errors.append(f"missing keys: {missing}")
+    if strict and unexpected:
+        errors.append(f"unexpected keys: {unexpected}")
+    return "load_full_state_dict: " + "; ".join(errors) if errors else None
+
+
+@internal
+def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], strict: bool = True,
+                         bucket_numel: int = _BUCKET) -> _IncompatibleKeys:
+    """Load rank 0's full ``sd`` into a (sharded) module; returns missing/unexpected keys."""
+    own = module.state_dict(keep_vars=True)
+    info = _info(_partitioned_pairs(own))
+    sd = sd if sd is not None else {}
+    verdict = _verdict(own, sd, strict) if info.rank == 0 else None
+    missing = [k for k in own if isinstance(own[k], torch.Tensor) and k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    verdict, present = broadcast_object((verdict, [k for k in own if k in sd]), 0, info)
+    if verdict:
+        raise RuntimeError(verdict)
+    keys = {}
+    for k in present:
+        keys.setdefault(id(own[k]), k)
+    pairs = [(p, m) for p, m in _partitioned_pairs(own) if id(p) in keys]
+    for bucket in _buckets(pairs, bucket_numel):
+        _load_bucket(bucket, [sd.get(keys[id(p)]) for p, _ in bucket], info)
+    for k in present:
+        v = own[k]
+        if isinstance(v, torch.Tensor) and not is_partitioned(v) and keys.get(id(v)) == k:
+            with torch.no_grad():
+                if info.rank == 0:
+                    v.copy_(sd[k])
+                broadcast(v.data, 0, info)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _load_bucket(bucket: list, values: list, info: GroupInfo) -> None:
+    """Broadcast rank 0's ``values`` for the params of ``bucket`` (by dtype) and rewrite shards."""
+    for dtype in sorted({m.dtype for _, m in bucket}, key=str):
+        group = [(p, m, v) for (p, m), v in zip(bucket, values) if m.dtype == dtype]
+        flat = alloc(sum(m.numel for _, m, _ in group), dtype, group[0][1].device)
+        off = 0
+        for _, m, v in group:
+            if info.rank == 0:
+                flat[off:off + m.numel].copy_(v.detach().reshape(-1))
+            off += m.numel
+        broadcast(flat, 0, info)
+        off = 0
+        for p, m, _ in group:
+            piece = flat[off:off + m.numel]
+            write_shard(m.shard, piece, m.layout, m.rank)
+            if m.status is ParamStatus.AVAILABLE:
+                p.data.copy_(piece.view(m.shape))
+            off += m.numel
