@@ -1,0 +1,310 @@
+"""BF16Optimizer: flat buffers, fp32 master partitions, any wrapped torch optimizer."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from . import _collectives as C
+from . import checkpoint as ckpt
+from .flat_group import FlatGroup
+from .layout import STEP_CHUNK, plan_buckets
+from .loss_scaler import DynamicLossScaler
+from .sharded import ShardedParam, partition_api
+
+__all__ = ["BF16Optimizer"]
+
+logger = logging.getLogger("parts.optim")
+
+NamedParams = Union[Iterable[tuple[str, torch.Tensor]], dict]
+
+
+class BF16Optimizer(torch.optim.Optimizer):
+    """Mixed-precision ZeRO-1 wrapper: the wrapped optimizer steps fp32 master partitions.
+
+    Grads live in the fp32 buffers the post-accumulate-grad hooks fill, not in ``p.grad``:
+    clear them with this wrapper's ``zero_grad()`` (``model.zero_grad()`` does not reach them).
+    Extra keywords: ``loss_scaler`` (fp16; created by default for fp16 params),
+    ``named_parameters`` (e.g. ``model.named_parameters()``: names used in checkpoints) and
+    ``step_chunk`` (elements per master view the wrapped optimizer steps; see layout.STEP_CHUNK).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, group: Optional[Any] = None,
+                 clip_grad: float = 0.0, norm_type: float = 2.0,
+                 allgather_bucket_size: int = 500_000_000,
+                 grad_accum_dtype: torch.dtype = torch.float32,
+                 loss_scaler: Optional[DynamicLossScaler] = None,
+                 named_parameters: Optional[NamedParams] = None,
+                 step_chunk: int = STEP_CHUNK) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"BF16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if step_chunk < 1:
+            raise ValueError(f"step_chunk must be >= 1, got {step_chunk}")
+        self.step_chunk = int(step_chunk)
+        if clip_grad < 0 or norm_type < 0:
+            raise ValueError(f"clip_grad and norm_type must be >= 0, got {clip_grad}, {norm_type}")
+        self._init_hook_dicts()
+        self.optimizer, self.process_group = optimizer, group
+        self.clip_grad, self.norm_type = float(clip_grad), float(norm_type)
+        self.grad_accum_dtype = grad_accum_dtype
+        self.world_size, self.rank = C.world_and_rank(group)
+        plan_buckets([], allgather_bucket_size, self.world_size)  # validate before touching params
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
+        self._has_grads = False
+        self.flat_groups: list[Optional[FlatGroup]] = []
+        self.sharded_groups: list[list[ShardedParam]] = []
+        self._where: dict[int, tuple[str, int, int]] = {}
+        self._hooks: list[Any] = []
+        self._build(self._names(named_parameters))
+        self.loss_scaler = loss_scaler
+        if loss_scaler is None and self._model_dtype() == torch.float16:
+            self.loss_scaler = DynamicLossScaler()
+        parts = [fg.master.numel() for fg in self.flat_groups if fg is not None]
+        self._buckets = plan_buckets(parts, allgather_bucket_size, self.world_size)
+        self._patch_step_function()
+
+    def _init_hook_dicts(self) -> None:
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+
+    # -- what LR schedulers and users read ---------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's groups (their params are the fp32 master tensors)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's per-master state."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: build the wrapped optimizer with every group first."""
+        raise NotImplementedError("BF16Optimizer cannot add param groups after construction; "
+                                  "build the wrapped optimizer with all groups, then wrap it")
+
+    # -- construction -----------------------------------------------------------------------
+    def _names(self, named: Optional[NamedParams]) -> dict[int, str]:
+        items = named.items() if isinstance(named, dict) else (named or [])
+        return {id(p): n for n, p in items}
+
+    def _build(self, names: dict[int, str]) -> None:
+        is_partitioned, meta = partition_api()
+        seen: set[int] = set()
+        kind: list = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            replicated, rep_names, sharded = [], [], []
+            for i, p in enumerate(group["params"]):
+                name = names.get(id(p), f"group{g}.param{i}")
+                self._check_param(p, name, seen)
+                if is_partitioned(p):
+                    sp = ShardedParam(p, meta(p), self.rank)
+                    sp.name = sp.name or name
+                    self._where[id(p)] = ("sharded", g, len(sharded))
+                    sharded.append(sp)
+                else:
+                    self._check_dtype(p, name, kind)
+                    self._where[id(p)] = ("flat", g, len(replicated))
+                    replicated.append(p)
+                    rep_names.append(name)
+            fg = None
+            if replicated:
+                fg = FlatGroup(replicated, rep_names, self.world_size, self.rank,
+                               self.grad_accum_dtype, self.step_chunk)
+                for i, p in enumerate(replicated):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        fg.make_hook(i, self._mark_grads)))
+            self.flat_groups.append(fg)
+            self.sharded_groups.append(sharded)
+            group["params"] = (fg.master_chunks if fg else []) + [s.master for s in sharded]
+            self._adopt_state(fg, sharded)
+
+    def _adopt_state(self, fg: Optional[FlatGroup], sharded: list[ShardedParam]) -> None:
+        """Move state the wrapped optimizer already holds (e.g. Adagrad's) onto the masters."""
+        state = self.optimizer.state
+        if fg is not None and any(p in state for p in fg.params):
+            ckpt.adopt_flat_state(self.optimizer, fg, [state.pop(p, {}) for p in fg.params])
+        for s in sharded:
+            if s.param in state:
+                ckpt.adopt_sharded_state(self.optimizer, s, state.pop(s.param))
+
+    def _check_param(self, p: torch.Tensor, name: str, seen: set[int]) -> None:
+        if id(p) in seen:
+            raise ValueError(f"parameter {name!r} appears twice in the optimizer's groups")
+        seen.add(id(p))
+        if not p.requires_grad:
+            raise ValueError(f"parameter {name!r} does not require grad; leave frozen "
+                             "parameters out of the optimizer")
+
+    def _model_dtype(self) -> Optional[torch.dtype]:
+        for fg in self.flat_groups:
+            if fg is not None:
+                return fg.flat.dtype
+        for sharded in self.sharded_groups:
+            for s in sharded:
+                return s.record.shard.dtype
+        return None
+
+    def _check_dtype(self, p: torch.Tensor, name: str, kind: list) -> None:
+        if not kind:
+            kind.append((p.dtype, p.device, name))
+        dtype, device, first = kind[0]
+        if (p.dtype, p.device) != (dtype, device):
+            raise ValueError(f"BF16Optimizer: all replicated params must share one dtype and device; "
+                             f"{name!r} is {p.dtype} on {p.device}, {first!r} is {dtype} on {device}")
+
+    def _mark_grads(self) -> None:
+        self._has_grads = True
+
+    # -- training ---------------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (unchanged without a loss scaler)."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the fp32 grad buffers (and drop any model-dtype grads and grad shards)."""
+        for fg in self.flat_groups:
+            if fg is not None:
+                fg.grad.zero_()
+                if fg.part_grad is not fg.grad:
+                    fg.part_grad.zero_()
+                for p in fg.params:
+                    p.grad = None
+        for sharded in self.sharded_groups:
+            for s in sharded:
+                s.zero_grad(set_to_none)
+        self._has_grads = False
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Reduce-scatter, global norm, skip or clip, inner step, write back, all-gather."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._has_grads and not self._sharded_have_grads():
+            raise RuntimeError("BF16Optimizer.step() was called before any backward produced "
+                               "gradients (or right after zero_grad()); call loss.backward() first")
+        self._reduce_grads()
+        grads = self._local_grads()
+        norm = self._global_norm(grads)
+        scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+        if scale != 1.0:
+            norm = norm / scale
+        self.last_grad_norm = float(norm)
+        finite = math.isfinite(self.last_grad_norm)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not finite)
+        if not finite:
+            self._skip(scale)
+            return loss
+        self._scale_grads(grads, norm, scale)
+        self.optimizer.step()
+        self._write_back()
+        return loss
+
+    def _sharded_have_grads(self) -> bool:
+        return any(s.grad() is not None for sh in self.sharded_groups for s in sh)
+
+    def _reduce_grads(self) -> None:
+        for fg in self.flat_groups:
+            if fg is not None:
+                C.reduce_scatter_mean(fg.part_grad, fg.grad, self.world_size, self.process_group)
+        for sharded in self.sharded_groups:
+            for s in sharded:
+                s.master.grad = s.grad()
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's real (unpadded) grad elements: partitions and grad shards."""
+        out = [fg.part_grad.narrow(0, 0, fg.real_numel()) for fg in self.flat_groups if fg]
+        for sharded in self.sharded_groups:
+            out += [s.master.grad.narrow(0, 0, s.real_numel()) for s in sharded
+                    if s.master.grad is not None]
+        return out
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        p = self.norm_type
+        local = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            if g.numel() == 0:
+                continue
+            n = torch.linalg.vector_norm(g, p).to(local.device)
+            if math.isinf(p):
+                local = torch.maximum(local, n)
+            else:
+                local = local + (n if p == 0 else n.pow(p))
+        return C.all_reduce_norm(local, p, self.world_size, self.process_group)
+
+    def _scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor, scale: float) -> None:
+        coef = torch.ones((), dtype=torch.float32)
+        if self.clip_grad > 0:
+            coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
+        if scale != 1.0:
+            coef = coef / scale
+        if float(coef) != 1.0:
+            for g in grads:
+                g.mul_(coef.to(g.device))
+
+    def _skip(self, scale: float) -> None:
+        self.skipped_steps += 1
+        where = "loss scale overflow" if self.loss_scaler is not None else "non-finite grad norm"
+        logger.warning("BF16Optimizer rank %d: %s (norm=%s, scale=%s): step skipped "
+                       "(%d skipped so far)", self.rank, where, self.last_grad_norm, scale,
+                       self.skipped_steps)
+
+    def _write_back(self) -> None:
+        masters, flats = [], []
+        for fg in self.flat_groups:
+            if fg is not None:
+                fg.zero_padding()
+                masters.append(fg.master)
+                flats.append(fg.flat)
+        C.gather_buckets(self._buckets, masters, flats, self.rank, self.world_size,
+                         self.process_group)
+        for sharded in self.sharded_groups:
+            for s in sharded:
+                s.write_back()
+
+    # -- accessors --------------------------------------------------------------------------
+    def _locate(self, p: torch.Tensor) -> tuple[str, int, int]:
+        where = self._where.get(id(p))
+        if where is None:
+            raise KeyError(f"parameter of shape {tuple(p.shape)} is not managed by this BF16Optimizer")
+        return where
+
+    def full_fp32_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The full fp32 master of ``p``, gathered across ranks (a collective: call on every rank)."""
+        return ckpt.full_param_tensor(self, p, None)
+
+    def full_state(self, p: torch.Tensor, key: str) -> Any:
+        """The full optimizer state ``key`` of ``p`` gathered across ranks (collective)."""
+        return ckpt.full_param_tensor(self, p, key)
+
+    def full_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The full grad of ``p`` averaged across ranks, as ``step()`` will see it before clipping."""
+        return ckpt.full_grad_tensor(self, p)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's part: options, fp32 master, per-element state, layout and param metadata."""
+        return ckpt.rank_state_dict(self)
+
+    def consolidated_state_dict(self) -> Optional[dict[str, Any]]:
+        """World-size-free full state on rank 0 (None elsewhere); a collective."""
+        return ckpt.consolidated_state_dict(self)
+
+    def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
+        """Load a consolidated dict, or the list of every saved rank's dicts, at any world size."""
+        ckpt.load(self, state_dict)

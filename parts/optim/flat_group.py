@@ -1,0 +1,76 @@
+"""One param group's replicated parameters packed into a flat, padded buffer."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from parts.csrc import flatten
+
+from .layout import GroupLayout, chunk_ranges
+
+__all__ = ["FlatGroup", "SHARDED_GRAD_DTYPE"]
+
+SHARDED_GRAD_DTYPE = torch.float32
+
+
+class FlatGroup:
+    """Flat model-dtype buffer (params are views of it), fp32 grad buffer, fp32 master partition."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 world_size: int, rank: int, grad_dtype: torch.dtype, step_chunk: int) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.layout = GroupLayout(tuple(p.numel() for p in params), world_size)
+        self.rank, self.world_size = rank, world_size
+        dtype, device = params[0].dtype, params[0].device
+        size = self.layout.padded_numel
+        self.flat = torch.zeros(size, dtype=dtype, device=device)
+        packed = flatten([p.detach() for p in params])
+        self.flat.narrow(0, 0, packed.numel()).copy_(packed)
+        del packed
+        for p, off in zip(self.params, self.layout.offsets):
+            p.data = self.flat.narrow(0, off, p.numel()).view(p.shape)
+        self.grad = torch.zeros(size, dtype=grad_dtype, device=device)
+        n = self.layout.partition_numel
+        lo = rank * n
+        self.master = self.flat.narrow(0, lo, n).to(torch.float32).clone()
+        if world_size == 1 and grad_dtype == torch.float32:
+            self.part_grad = self.grad  # nothing to scatter: step reads the buffer itself
+        else:
+            self.part_grad = torch.zeros(n, dtype=torch.float32, device=device)
+        self.master.grad = self.part_grad
+        self.chunks = chunk_ranges(n, step_chunk)
+        self.master_chunks = []  # what the wrapped optimizer steps: views of the master
+        for start, length in self.chunks:
+            view = self.master.narrow(0, start, length)
+            view.grad = self.part_grad.narrow(0, start, length)
+            self.master_chunks.append(view)
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        """The fp32 grad-buffer view of parameter ``index``."""
+        p = self.params[index]
+        return self.grad.narrow(0, self.layout.offsets[index], p.numel()).view(p.shape)
+
+    def make_hook(self, index: int, on_grad: Callable[[], None]) -> Callable:
+        """Post-accumulate-grad hook: add the model-dtype grad into the fp32 buffer and drop it."""
+        view = self.grad_view(index)
+
+        def hook(param: torch.Tensor) -> None:
+            view.add_(param.grad)
+            param.grad = None
+            on_grad()
+
+        return hook
+
+    def real_numel(self) -> int:
+        """Real (unpadded) elements of this rank's partition."""
+        start, stop = self.layout.shard.range(self.rank)
+        return stop - start
+
+    def zero_padding(self) -> None:
+        """Keep the master's padding at zero so it never reaches params, norms or checkpoints."""
+        real = self.real_numel()
+        if real < self.master.numel():
+            self.master.narrow(0, real, self.master.numel() - real).zero_()

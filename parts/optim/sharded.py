@@ -1,0 +1,69 @@
+"""Parameters that parts.partition already shards: an fp32 master of this rank's shard."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["ShardedParam", "partition_api"]
+
+
+def partition_api() -> tuple[Any, Any]:
+    """``(is_partitioned, meta)`` from parts.partition, or a stand-in when it is not there."""
+    try:
+        from parts.partition import is_partitioned, meta
+    except ImportError:
+        return (lambda p: False), None
+    return is_partitioned, meta
+
+
+class ShardedParam:
+    """A sharded parameter: steps an fp32 copy of ``meta.shard`` with ``meta.grad_shard`` as its grad."""
+
+    def __init__(self, param: torch.nn.Parameter, record: Any, rank: int) -> None:
+        self.param, self.record = param, record
+        self.name = str(getattr(record, "name", "") or "")
+        self.layout = record.layout
+        self.shape = tuple(record.shape)
+        self.numel = int(record.numel)
+        self.rank = int(getattr(record, "rank", rank))
+        if record.shard.dim() != 1 or record.shard.numel() != self.layout.shard_numel:
+            raise ValueError(f"sharded parameter {self.name!r}: shard has {record.shard.numel()} "
+                             f"elements on rank {rank}, its layout says {self.layout.shard_numel}")
+        self.master = record.shard.detach().to(torch.float32).clone()
+
+    def real_numel(self) -> int:
+        """Real (unpadded) elements of this rank's shard."""
+        start, stop = self.layout.range(self.rank)
+        return stop - start
+
+    def grad(self) -> Optional[torch.Tensor]:
+        """The averaged fp32 grad shard the coordinator produced, checked, or None."""
+        g = getattr(self.record, "grad_shard", None)
+        if g is None:
+            return None
+        if g.numel() != self.master.numel():
+            raise ValueError(f"sharded parameter {self.name!r}: grad shard has {g.numel()} "
+                             f"elements on rank {self.rank}, expected {self.master.numel()}")
+        return g.view(-1) if g.dtype == torch.float32 else g.view(-1).to(torch.float32)
+
+    def write_back(self) -> None:
+        """Zero the master's padding and copy it into the model-dtype shard in place."""
+        real = self.real_numel()
+        if real < self.master.numel():
+            self.master.narrow(0, real, self.master.numel() - real).zero_()
+        self.record.shard.copy_(self.master)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Drop (or zero) the grad shard."""
+        g = getattr(self.record, "grad_shard", None)
+        if g is None:
+            return
+        if set_to_none:
+            try:
+                self.record.grad_shard = None
+                return
+            except (AttributeError, TypeError):
+                pass
+        g.zero_()
