@@ -31,9 +31,10 @@ from parts.partition.layout import ShardLayout
 from parts.partition.param import ParamMeta, ParamStatus, is_partitioned, meta
 from parts.partition.state_dict import full_state_dict, load_full_state_dict
 
-# --- coordinator (added by the lead) ------------------------------------------------
-# from parts.partition.coordinator import FetchCoordinator, attach, detach
-# ------------------------------------------------------------------------------------
+from parts.partition.coordinator import (FetchCoordinator, attach, detach,
+                                         register_external_parameter)
+from parts.partition.coordinator_debug import RankDivergence
+from parts.partition.coordinator_stats import CoordinatorStats
 
 __all__ = [
     "ShardLayout",
@@ -43,5 +44,6 @@ __all__ = [
     "reduce_scatter_grads", "shards",
     "full_state_dict", "load_full_state_dict",
     "CommCounter", "comm_counter",
-    # coordinator (added by the lead): "FetchCoordinator", "attach", "detach",
+    "FetchCoordinator", "attach", "detach", "register_external_parameter",
+    "RankDivergence", "CoordinatorStats",
 ]

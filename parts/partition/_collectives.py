@@ -82,6 +82,9 @@ def resolve_group(group: Any = None) -> GroupInfo:
                                "whole model. Call torch.distributed.init_process_group first.")
         return GroupInfo(None, 0, 1)
     handle = dist.group.WORLD if group is None else group
+    if handle is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(handle) < 0:
+        raise ValueError(f"parts.partition: rank {dist.get_rank()} is not a member of the process "
+                         "group passed as `group`; only the ranks of a group may shard over it")
     size = dist.get_world_size(handle)
     if size == 1 and env > 1 and handle is dist.group.WORLD:
         raise RuntimeError(f"parts.partition: the default process group has one rank but "

@@ -81,6 +81,25 @@ def _check_available(module: nn.Module, args: Any) -> None:
                 f"(parts.partition.gather, gathered(...), or attach a FetchCoordinator)")
 
 
+def _check_loadable(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook: a released sharded param cannot take a full tensor; say what can."""
+    for name, p in module._parameters.items():
+        if p is not None and is_partitioned(p) and meta(p).status is not ParamStatus.AVAILABLE \
+                and prefix + name in state_dict:
+            raise RuntimeError(
+                f"parts.partition: load_state_dict into sharded {meta(p).describe()} (key "
+                f"'{prefix + name}'), which is {meta(p).status.value}; use "
+                f"parts.partition.load_full_state_dict(model, sd), or load inside "
+                f"`with gathered(model.parameters(), modifier_rank=0):`")
+
+
+def _add_hooks(mod: nn.Module) -> None:
+    """The forward and load-state-dict checks of a module owning sharded params (once)."""
+    if _HOOK not in mod.__dict__:
+        mod.__dict__[_HOOK] = (mod.register_forward_pre_hook(_check_available),
+                               mod.register_load_state_dict_pre_hook(_check_loadable))
+
+
 def _adopt(module: nn.Module, spec: ShardSpec) -> None:
     """Shard ``module``'s unsharded params, sync its buffers, name records, add check hooks."""
     todo = [(q, p) for q, _, mod, p in _owned(module)
@@ -92,8 +111,7 @@ def _adopt(module: nn.Module, spec: ShardSpec) -> None:
         if is_partitioned(p):
             m = meta(p)
             m.name, m.module_name, m.module_type = qname, mod_name, type(mod).__name__
-            if _HOOK not in mod.__dict__:
-                mod.__dict__[_HOOK] = mod.register_forward_pre_hook(_check_available)
+            _add_hooks(mod)
     _sync_buffers(module, spec.info)
 
 
@@ -188,8 +206,7 @@ def _register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter
         prefix = self.__dict__.get(_NAME, "")
         shard_params([(f"{prefix}.{name}" if prefix else name, param)], spec)
         meta(param).module_name, meta(param).module_type = prefix, type(self).__name__
-        if _HOOK not in self.__dict__:
-            self.__dict__[_HOOK] = self.register_forward_pre_hook(_check_available)
+        _add_hooks(self)
 
 
 _ORIG_REGISTER = nn.Module.register_parameter

@@ -103,7 +103,8 @@ def meta(p: torch.Tensor) -> ParamMeta:
     record = getattr(p, "__dict__", {}).get(_ATTR)
     if record is None:
         shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
-        raise TypeError(f"parts.partition: tensor {shape} is not a partitioned parameter")
+        raise TypeError(f"parts.partition: tensor {shape} is not a partitioned parameter; shard its "
+                        f"module with partition_module(module) or build it inside partitioned()")
     return record
 
 

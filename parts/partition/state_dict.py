@@ -39,6 +39,11 @@ def _buckets(pairs: list, limit: int) -> Iterator[list]:
         yield run
 
 
+def _check_module(module: Any, what: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
+
+
 def _partitioned_pairs(sd: Mapping[str, Any]) -> list:
     return metas_sorted(v for v in sd.values() if is_partitioned(v))
 
@@ -50,6 +55,7 @@ def _info(pairs: list) -> GroupInfo:
 @internal
 def full_state_dict(module: nn.Module, rank0_only: bool = True, bucket_numel: int = _BUCKET) -> dict[str, Any]:
     """The plain ``state_dict()`` of a sharded module (on rank 0 only, ``{}`` elsewhere, if ``rank0_only``)."""
+    _check_module(module, "full_state_dict")
     own = module.state_dict(keep_vars=True)
     pairs = _partitioned_pairs(own)
     keep = not rank0_only or _info(pairs).rank == 0
@@ -70,13 +76,28 @@ def _shape_of(v: torch.Tensor) -> torch.Size:
     return meta(v).shape if is_partitioned(v) else v.shape
 
 
+def _kind(dtype: torch.dtype) -> str:
+    return "complex" if dtype.is_complex else "floating point" if dtype.is_floating_point else "integer/bool"
+
+
+def _value_error(k: str, value: Any, target: torch.Tensor) -> Optional[str]:
+    """Why ``value`` cannot be loaded into the module entry ``target`` (key ``k``), or None."""
+    if not isinstance(value, torch.Tensor):
+        return f"'{k}' is a {type(value).__name__}, expected a tensor"
+    if tuple(value.shape) != tuple(_shape_of(target)):
+        return f"size mismatch for '{k}': checkpoint {tuple(value.shape)}, model {tuple(_shape_of(target))}"
+    dtype = meta(target).dtype if is_partitioned(target) else target.dtype
+    if _kind(value.dtype) != _kind(dtype):
+        return f"dtype mismatch for '{k}': checkpoint {value.dtype}, model {dtype}"
+    return None
+
+
 def _verdict(own: Mapping[str, Any], sd: Mapping[str, Any], strict: bool) -> Optional[str]:
-    """The error message for ``sd`` against the module's keys and shapes, or None."""
-    tensors = {k for k, v in own.items() if isinstance(v, torch.Tensor)}
+    """The error message for ``sd`` against the module's keys, shapes and dtype kinds, or None."""
+    tensors = [k for k, v in own.items() if isinstance(v, torch.Tensor)]
     missing = [k for k in tensors if k not in sd]
     unexpected = [k for k in sd if k not in own]
-    errors = [f"size mismatch for '{k}': checkpoint {tuple(sd[k].shape)}, model {tuple(_shape_of(own[k]))}"
-              for k in tensors if k in sd and tuple(sd[k].shape) != tuple(_shape_of(own[k]))]
+    errors = [e for e in (_value_error(k, sd[k], own[k]) for k in tensors if k in sd) if e]
     if strict and missing:
         errors.append(f"missing keys: {missing}")
     if strict and unexpected:
@@ -88,6 +109,9 @@ def _verdict(own: Mapping[str, Any], sd: Mapping[str, Any], strict: bool) -> Opt
 def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], strict: bool = True,
                          bucket_numel: int = _BUCKET) -> _IncompatibleKeys:
     """Load rank 0's full ``sd`` into a (sharded) module; returns missing/unexpected keys."""
+    _check_module(module, "load_full_state_dict")
+    if sd is not None and not isinstance(sd, Mapping):
+        raise TypeError(f"load_full_state_dict: sd must be a mapping of key -> tensor, got {type(sd).__name__}")
     own = module.state_dict(keep_vars=True)
     info = _info(_partitioned_pairs(own))
     sd = sd if sd is not None else {}

@@ -1,0 +1,413 @@
+"""The fetch/release coordinator: ZeRO-3 training with ordinary training code.
+
+``attach(model)`` hooks every submodule that owns sharded parameters (``recurse=False``) or
+uses others' (external parameters), plus the root:
+
+* before a submodule's forward its parameters are gathered (one coalesced collective) and
+  released after it, unless kept for reuse or persistent; before its backward (a pre-hook on
+  the autograd nodes of the forward's output tensors, found in tuples, dicts and dataclasses)
+  they are gathered again;
+* grads are reduce-scattered into fp32 grad shards once per backward, after a parameter's
+  last use (``register_post_accumulate_grad_hook``: tied weights once, never early),
+  accumulating across micro-batches; complete grads wait in a bucket until it holds
+  ``reduce_bucket_size`` elements (0: each alone), then go in one coalesced collective;
+* the first step of each phase (``train``, ``eval/no_grad``, ...) records the submodule order;
+  later steps prefetch ahead along it with async gathers. A step that leaves the trace (a
+  skipped block, another branch) fetches on demand from there on and becomes the new trace
+  (the last 4 distinct traces of a phase are kept, so alternating graphs replay both).
+  A "step" is one or more forwards and the backward that follows (or one no-grad forward).
+
+Knobs (element counts): ``prefetch_bucket_size``: how far ahead prefetch reaches (0: off).
+``max_reuse_distance``: a released-after-use parameter stays gathered if the trace needs it
+again after fewer than this many elements of other fetches (0: always release, the 3x
+communication schedule). ``max_live_parameters``: budget of non-persistent gathered (or
+in-flight) elements; prefetch and reuse stay within it and a fetch first releases idle
+parameters (farthest next use first), so it is exceeded only by the parameters of the
+modules running at that moment (the current one, running ancestors, tied parameters
+waiting for their last backward use). ``persistence_threshold`` /
+``model_persistence_threshold``: parameters of at most that many elements (smallest first,
+up to that total) are gathered once per step, all in one collective at its start, and never
+released within it; after a backward they are released, because the optimizer is about to
+step their shards (no stale full copy survives an update).
+
+What all ranks must share: the same submodules run in the same order (every fetch and
+reduce-scatter is a collective). ``debug=True`` checks it before every fetch and raises
+``RankDivergence`` naming the first divergent module instead of hanging.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from parts.partition.coordinator_checks import check_group, check_sharded
+from parts.partition.coordinator_debug import RankDivergence, check_digest, check_event
+from parts.partition.coordinator_fetch import FetchEngine, ModuleCall, StepState, shard_version
+from parts.partition.coordinator_hooks import (ModuleHooks, in_backward, on_backward_end,
+                                               register_pre_backward)
+from parts.partition.coordinator_stats import CoordinatorStats, StepCounters, freeze
+from parts.partition.gather import release
+from parts.partition.grads import reduce_scatter_grads
+from parts.partition.param import ParamStatus, is_partitioned, meta
+from parts.partition.plan import Knobs, collective_bytes, select_persistent
+from parts.partition.trace import BACKWARD, FORWARD, TraceBook, phase_name, trace_digest
+
+__all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
+
+_NOT_AVAILABLE = ParamStatus.NOT_AVAILABLE
+_REDUCE_ITEMSIZE = torch.float32.itemsize  # grads are reduce-scattered in fp32
+_attached: "weakref.WeakKeyDictionary[nn.Module, FetchCoordinator]" = weakref.WeakKeyDictionary()
+
+
+class FetchCoordinator(FetchEngine):
+    """Fetches and releases sharded parameters around every submodule; see ``attach``."""
+
+    def __init__(self, group: Any = None, *, prefetch_bucket_size: int = 50_000_000,
+                 max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
+                 persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
+                 overlap_comm: bool = True, debug: bool = False,
+                 reduce_bucket_size: int = 5_000_000) -> None:
+        self.group = group
+        self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
+                           persistence_threshold, model_persistence_threshold, overlap_comm, debug,
+                           reduce_bucket_size)
+        self._root: Optional[nn.Module] = None
+        self._last: Optional[CoordinatorStats] = None
+
+    # ----------------------------------------------------------------- attach / detach
+    def attach(self, module: nn.Module) -> "FetchCoordinator":
+        """Install the hooks on ``module`` (sharded by ``partitioned``/``partition_module``)."""
+        if self._root is not None:
+            raise RuntimeError("FetchCoordinator.attach: this coordinator is already attached to a "
+                               "module; call detach() first or make a new coordinator")
+        check_sharded(module, _attached)
+        check_group(module, self.group)
+        self._root = module
+        self._setup_tables(module)
+        self._setup_state()
+        for index in range(len(self._modules)):
+            if index == 0 or self._sets[index]:
+                self._hook(index)
+        for p in self._by_id.values():
+            if p.requires_grad:
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+        for sub in self._modules:
+            _attached[sub] = self
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; parameters stay sharded (use ``gathered`` to read them)."""
+        if self._root is None:
+            return
+        if self._stack:
+            raise RuntimeError("FetchCoordinator.detach: called inside a forward (modules "
+                               f"{[self._names[c.index] for c in self._stack]} are running)")
+        for hooks in self._hooks.values():
+            hooks.remove()
+        for handle in self._grad_hooks:
+            handle.remove()
+        held = [p for pid, p in self._by_id.items() if self._recs[pid].status is not _NOT_AVAILABLE]
+        release(held)
+        for sub in self._modules:
+            if _attached.get(sub) is self:
+                del _attached[sub]
+        self._root = None
+
+    def _setup_tables(self, module: nn.Module) -> None:
+        named = list(module.named_modules())
+        self._modules = [m for _, m in named]
+        self._names = [n for n, _ in named]
+        self._index = {id(m): i for i, m in enumerate(self._modules)}
+        self._sets: list[list] = [[] for _ in named]  # stable ids each module fetches
+        self._by_id: dict[int, nn.Parameter] = {}
+        for index, sub in enumerate(self._modules):
+            for p in sub.parameters(recurse=False):
+                pid = meta(p).id
+                if pid not in self._sets[index]:
+                    self._sets[index].append(pid)
+                self._by_id[pid] = p
+        self._recs = {pid: meta(p) for pid, p in self._by_id.items()}
+        self._pids = {id(p): pid for pid, p in self._by_id.items()}
+        self._sizes = {pid: m.numel for pid, m in self._recs.items()}
+        self._persistent = select_persistent(self._sizes, self.knobs.persistence_threshold,
+                                             self.knobs.model_persistence_threshold)
+        self._persistent_ids = sorted(self._persistent)
+
+    def _setup_state(self) -> None:
+        self._hooks: dict[int, ModuleHooks] = {}
+        self._grad_hooks: list = []
+        self._sets_version = 0
+        self._book = TraceBook()
+        self._steps: dict[str, StepState] = {}
+        self._plans: dict = {}
+        self._stack: list[ModuleCall] = []
+        self._uses: dict[int, int] = {}
+        self._bwd_uses: dict[int, int] = {}
+        self._live: dict[int, int] = {}
+        self._live_total = 0
+        self._prefetched: set = set()
+        self._pass_gathers: dict[tuple, int] = {}
+        self._fwd_no = self._bwd_no = 0
+        self._versions: dict[int, tuple] = {}
+        self._pending: list = []  # params whose full grad is complete, awaiting reduce-scatter
+        self._pending_numel = 0
+        self._bwd_phase: Optional[str] = None
+        self._counters = StepCounters()
+        self._misses = 0
+        self._steps_done = 0
+
+    def _hook(self, index: int) -> None:
+        if index in self._hooks:
+            return
+        sub = self._modules[index]
+        hooks = ModuleHooks(sub)
+        hooks.install(partial(self._pre_forward, index), partial(self._post_forward, index))
+        if any(True for _ in sub.parameters(recurse=False)):
+            hooks.watch(index, self._on_param_read)
+        self._hooks[index] = hooks
+
+    # ------------------------------------------------------------- external parameters
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Gather ``param`` (owned by another module) whenever ``module`` runs, forward and backward."""
+        if self._root is None:
+            raise RuntimeError("register_external_parameter: attach the coordinator first")
+        index = self._index.get(id(module))
+        if index is None:
+            raise ValueError(f"register_external_parameter: module {type(module).__name__} is not "
+                             "part of the model this coordinator is attached to")
+        if not is_partitioned(param) or meta(param).id not in self._by_id:
+            raise ValueError("register_external_parameter: the parameter is not a sharded parameter "
+                             f"of the attached model (module '{self._names[index]}')")
+        self._add_external(index, meta(param).id)
+
+    def _add_external(self, index: int, pid: int) -> None:
+        if pid not in self._sets[index]:
+            self._sets[index].append(pid)
+            self._sets_version += 1
+            self._hook(index)
+
+    def _on_param_read(self, owner: int, param: Any) -> None:
+        """A module read a parameter of ``owner``; inside another module's forward, fetch it."""
+        if not self._stack or self._root is None:
+            return
+        call = self._stack[-1]
+        pid = self._pids.get(id(param))
+        if call.index == owner or pid is None or pid in call.ids:
+            return
+        self._add_external(call.index, pid)
+        call.ids.append(pid)
+        self._gather([pid], async_op=False)
+        self._uses[pid] = self._uses.get(pid, 0) + 1
+
+    # ------------------------------------------------------------------ step lifecycle
+    def _phase_of(self, module: nn.Module) -> str:
+        if self._stack:
+            return self._stack[0].phase
+        if in_backward() and self._bwd_phase is not None:
+            return self._bwd_phase
+        phase = phase_name(module.training, torch.is_grad_enabled())
+        if not self._book.active(phase):
+            self._begin_step(phase)
+        if not in_backward():
+            self._fwd_no += 1
+        return phase
+
+    def _begin_step(self, phase: str) -> None:
+        self._book.begin(phase)
+        self._steps[phase] = StepState(phase)
+        self._refresh_persistent()
+
+    def _refresh_persistent(self) -> None:
+        """Gather every persistent param in one (async) collective at the start of a step.
+
+        They were released at the end of the last backward (an optimizer step was about to
+        change their shards); a stale full copy (shard changed since gathered) is replaced.
+        """
+        stale, todo = [], []
+        for pid in self._persistent_ids:
+            m = self._recs[pid]
+            if m.status is _NOT_AVAILABLE:
+                todo.append(pid)
+            elif not self._uses.get(pid) and self._versions.get(pid) != shard_version(m):
+                stale.append(pid)
+        if stale:
+            release([self._by_id[pid] for pid in stale])
+            todo = sorted(todo + stale)
+        if todo:
+            self._counters.persistent_gathers += len(todo)
+            self._gather(todo, async_op=self.knobs.overlap_comm)
+
+    def _end_step(self, phase: str, drop_persistent: bool = False) -> None:
+        step = self._steps.pop(phase)
+        record = self._book.end(phase)
+        digest = trace_digest(record.events, self._names)
+        if self.knobs.debug:
+            check_event(step.seq, "end", 0, phase, self._names, self._group())
+            check_digest(digest, phase, self._group())
+        idle = [pid for pid in self._live if not self._uses.get(pid)]
+        self._release_ids(idle)
+        if drop_persistent:  # the optimizer may step the shards now: no stale full copies
+            release([self._by_id[pid] for pid in sorted(self._persistent) if not self._uses.get(pid)])
+        self._prefetched.clear()
+        self._pass_gathers.clear()
+        self._misses += record.outcome == "diverged"
+        self._steps_done += 1
+        pers = sum(self._sizes[pid] for pid in self._persistent)
+        self._last = freeze(self._counters, steps=self._steps_done, phase=phase,
+                            trace_outcome=record.outcome, trace_events=len(record.events),
+                            trace_digest=digest, trace_misses=self._misses,
+                            persistent_params=len(self._persistent), persistent_elements=pers)
+        self._counters = StepCounters()
+
+    def stats(self) -> Optional[CoordinatorStats]:
+        """Counters of the last finished step (None before the first one ends)."""
+        return self._last
+
+    def _group(self) -> Any:
+        if self.group is not None:
+            return self.group
+        return next(iter(self._recs.values())).group if self._recs else None
+
+    # ---------------------------------------------------------------- forward hooks
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        if self._root is None:
+            return
+        phase = self._phase_of(module)
+        call = ModuleCall(index, phase, list(self._sets[index]))
+        self._stack.append(call)
+        self._fetch(call, FORWARD)
+
+    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self._root is None or not self._stack:
+            return
+        call = self._pop(index)
+        if call is None:
+            return
+        step = self._steps.get(call.phase)
+        self._done_with(call.ids, step)
+        if step is None or self._stack or in_backward():
+            # in backward (a recompute): the hooks serve a reentrant checkpoint's inner backward
+            if step is not None and output is not None and torch.is_grad_enabled():
+                self._hook_backward(call, step, output)
+            return
+        if sys.exc_info()[0] is not None:  # the forward raised: no collective on the way out
+            self._abandon_step(call.phase)
+            return
+        if output is not None and torch.is_grad_enabled():
+            self._hook_backward(call, step, output)
+        if not step.pending_backward:
+            self._end_step(call.phase)
+
+    def _hook_backward(self, call: ModuleCall, step: StepState, output: Any) -> None:
+        fire = partial(self._pre_backward, call.index, call.phase)
+        step.pending_backward |= register_pre_backward(output, fire)
+
+    def _abandon_step(self, phase: str) -> None:
+        """Forget the step of ``phase`` after an error; release what it held, locally only."""
+        self._steps.pop(phase, None)
+        self._book.abandon(phase)
+        self._release_ids([pid for pid in self._live if not self._uses.get(pid)])
+        self._counters = StepCounters()
+
+    def _pop(self, index: int) -> Optional[ModuleCall]:
+        for k in range(len(self._stack) - 1, -1, -1):
+            if self._stack[k].index == index:
+                call = self._stack.pop(k)
+                for dropped in self._stack[k:]:  # aborted inner calls (e.g. checkpoint early stop)
+                    self._done_with(dropped.ids, self._steps.get(dropped.phase))
+                del self._stack[k:]
+                return call
+        return None
+
+    # ---------------------------------------------------------------- backward hooks
+    def _pre_backward(self, index: int, phase: str) -> None:
+        if self._root is None:
+            return
+        self._enter_backward(phase)
+        call = ModuleCall(index, self._bwd_phase, list(self._sets[index]))
+        self._fetch(call, BACKWARD)
+        for pid in call.ids:
+            self._bwd_uses[pid] = self._bwd_uses.get(pid, 0) + 1
+
+    def _enter_backward(self, phase: str) -> None:
+        if self._bwd_phase is not None:
+            return
+        self._bwd_phase = phase
+        self._bwd_no += 1
+        if not self._book.active(phase):
+            self._begin_step(phase)
+        on_backward_end(self._end_backward)
+
+    def _post_accumulate(self, p: nn.Parameter) -> None:
+        """The last grad contribution to ``p`` in this backward arrived: release it, reduce its bucket."""
+        if self._root is None:
+            return
+        self._enter_backward(self._bwd_phase or phase_name(True, True))
+        pid = self._pids[id(p)]
+        held = self._bwd_uses.pop(pid, 0)
+        if held:
+            self._uses[pid] -= held
+            self._settle([pid], self._steps.get(self._bwd_phase))
+        if p.grad is not None:
+            self._pending.append(p)
+            self._pending_numel += self._sizes[pid]
+            if self._pending_numel >= self.knobs.reduce_bucket_size:
+                self._reduce()
+
+    def _end_backward(self) -> None:
+        phase, self._bwd_phase = self._bwd_phase, None
+        if self._root is None:
+            return
+        pending = {id(p) for p in self._pending}  # + grads no hook announced (e.g. unfrozen later)
+        self._pending += [p for p in self._by_id.values() if p.grad is not None and id(p) not in pending]
+        self._reduce()
+        for pid, held in self._bwd_uses.items():
+            self._uses[pid] -= held
+        self._bwd_uses.clear()
+        if phase in self._steps:
+            self._end_step(phase, drop_persistent=True)
+
+    def _reduce(self) -> None:
+        """Reduce-scatter the pending full grads (one coalesced collective) into the grad shards."""
+        params = [p for p in self._pending if p.grad is not None]
+        self._pending, self._pending_numel = [], 0
+        if not params:
+            return
+        self._counters.reduce_scatter_calls += 1
+        for p in params:
+            m = self._recs[self._pids[id(p)]]
+            self._counters.reduce_scatter_bytes += collective_bytes(
+                m.layout.shard_numel, m.world_size, _REDUCE_ITEMSIZE)
+        reduce_scatter_grads(params, self.group)
+
+def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
+    """Hook ``module`` (already sharded) so plain ``model(x); loss.backward()`` runs ZeRO-3."""
+    if coordinator is not None and knobs:
+        raise ValueError(f"attach: pass knobs to FetchCoordinator(...) or to attach(), not both "
+                         f"(got a coordinator and {sorted(knobs)})")
+    coordinator = coordinator if coordinator is not None else FetchCoordinator(**knobs)
+    return coordinator.attach(module)
+
+
+def detach(module_or_coordinator: Any) -> None:
+    """Remove the coordinator hooks from a model (or detach the given coordinator)."""
+    if isinstance(module_or_coordinator, FetchCoordinator):
+        module_or_coordinator.detach()
+        return
+    coordinator = _attached.get(module_or_coordinator)
+    if coordinator is not None:
+        coordinator.detach()
+
+
+def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``param`` of another module (fetch it with ``module``)."""
+    coordinator = _attached.get(module)
+    if coordinator is None:
+        raise RuntimeError(f"register_external_parameter: {type(module).__name__} is not part of a "
+                           "model with an attached FetchCoordinator; call attach(model) first")
+    coordinator.register_external_parameter(module, param)

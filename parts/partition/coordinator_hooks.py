@@ -1,0 +1,124 @@
+"""Hook plumbing of the fetch coordinator: module hooks, output tensor hooks, parameter watch.
+
+Nothing here decides what to fetch; ``FetchCoordinator`` (coordinator.py) does. This module
+installs and removes the hooks and finds tensors inside whatever a forward returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["WatchedParameters", "in_backward", "on_backward_end", "register_pre_backward",
+           "tensors_in", "ModuleHooks"]
+
+_MAX_DEPTH = 8
+
+
+def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside ``obj``: tensors, lists, tuples (named too), dicts and dataclasses, nested."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth >= _MAX_DEPTH:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name, None), depth + 1)
+
+
+def register_pre_backward(output: Any, fire: Callable[[], None]) -> bool:
+    """Call ``fire()`` once, when the first grad w.r.t. a tensor of ``output`` is computed.
+
+    Returns False (and registers nothing) if no tensor in ``output`` requires grad.
+    """
+    tensors = [t for t in tensors_in(output) if t.requires_grad]
+    if not tensors:
+        return False
+    state = {"fired": False}
+
+    def hook(*_: Any) -> None:
+        if not state["fired"]:
+            state["fired"] = True
+            fire()
+
+    nodes = {}
+    for t in tensors:
+        node = t.grad_fn
+        if node is None:  # a leaf returned as is: hook the tensor itself
+            t.register_hook(hook)
+        elif node not in nodes:  # a pre-hook on the node runs before it computes input grads
+            nodes[node] = node.register_prehook(hook)
+    return True
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def on_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass (graph task) finishes."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class WatchedParameters(dict):
+    """A module's ``_parameters`` that reports reads made while another module runs forward.
+
+    ``module.weight`` goes through ``nn.Module.__getattr__`` to ``_parameters[name]``; when
+    the coordinator's running module is not the owner, the read is an external use (a tied
+    output projection ``F.linear(x, self.wte.weight)``): ``on_read(owner_index, param)``
+    fetches the parameter and remembers it for that module.
+    """
+
+    __slots__ = ("owner_index", "on_read")
+
+    def __init__(self, items: dict, owner_index: int, on_read: Callable[[int, Any], None]) -> None:
+        super().__init__(items)
+        self.owner_index = owner_index
+        self.on_read = on_read
+
+    def __getitem__(self, name: str) -> Any:
+        value = dict.__getitem__(self, name)
+        if value is not None:
+            self.on_read(self.owner_index, value)
+        return value
+
+
+@dataclasses.dataclass
+class ModuleHooks:
+    """The hooks the coordinator installed on one module, so they can be removed."""
+
+    module: nn.Module
+    handles: list = dataclasses.field(default_factory=list)
+    watched: bool = False
+
+    def install(self, pre: Callable, post: Callable) -> None:
+        """Forward pre-hook (prepended: fetch runs before any check) and always-called post-hook."""
+        self.handles.append(self.module.register_forward_pre_hook(pre, prepend=True))
+        self.handles.append(self.module.register_forward_hook(post, always_call=True))
+
+    def watch(self, owner_index: int, on_read: Callable[[int, Any], None]) -> None:
+        """Replace the module's ``_parameters`` with a ``WatchedParameters`` of the same items."""
+        params = self.module.__dict__["_parameters"]
+        self.module.__dict__["_parameters"] = WatchedParameters(dict(params), owner_index, on_read)
+        self.watched = True
+
+    def remove(self) -> None:
+        """Remove the hooks and give the module back a plain ``_parameters`` dict."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if self.watched:
+            params = self.module.__dict__["_parameters"]
+            self.module.__dict__["_parameters"] = dict(params.items())
+            self.watched = False
+

@@ -1,0 +1,92 @@
+"""Counters of the fetch coordinator: kept per step, frozen into ``CoordinatorStats`` at its end.
+
+Bytes are counted from the coordinator's own calls, per rank, with the formula of
+``parts.partition.plan.collective_bytes``: gathering a parameter whose shard holds ``s``
+elements of ``b`` bytes over ``w`` ranks counts ``(w - 1) * s * b`` (what this rank
+receives), reduce-scattering its grad in fp32 counts ``(w - 1) * s * 4`` (what it sends).
+Parameters already gathered or in flight cost nothing. All counters are plain integers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CoordinatorStats", "StepCounters"]
+
+
+@dataclass
+class StepCounters:
+    """Mutable counters of the step in progress."""
+
+    allgather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    allgather_calls: int = 0
+    reduce_scatter_calls: int = 0
+    fetches: int = 0
+    on_demand_fetches: int = 0
+    prefetch_hits: int = 0
+    resident_hits: int = 0
+    gathered_params: int = 0
+    prefetched_params: int = 0
+    regathered_params: int = 0
+    evicted_params: int = 0
+    persistent_gathers: int = 0
+    live_high_water: int = 0
+    param_gathers: dict = field(default_factory=dict)
+
+    def gathered(self, pid: int, nbytes: int) -> None:
+        """Count one parameter gathered by a collective."""
+        self.allgather_bytes += nbytes
+        self.gathered_params += 1
+        self.param_gathers[pid] = self.param_gathers.get(pid, 0) + 1
+
+
+@dataclass(frozen=True)
+class CoordinatorStats:
+    """What the last finished step did, plus totals since ``attach``.
+
+    ``fetches`` counts submodule fetches of non-persistent params; each is ``on_demand``
+    (had to gather itself), a ``prefetch_hit`` (found every param already issued by a
+    prefetch, in flight or done) or a ``resident_hit`` (all params still gathered from an
+    earlier use). ``regathered_params``: gathers of a param already gathered earlier in the
+    same pass (forward or backward); 0 unless reuse is off and a module runs twice, or
+    a checkpointed region recomputes. ``live_high_water``: most non-persistent gathered (or
+    in-flight) elements at once. ``param_gathers``: stable id -> gathers in the step.
+    """
+
+    steps: int
+    phase: str
+    allgather_bytes: int
+    reduce_scatter_bytes: int
+    allgather_calls: int
+    reduce_scatter_calls: int
+    fetches: int
+    on_demand_fetches: int
+    prefetch_hits: int
+    resident_hits: int
+    gathered_params: int
+    prefetched_params: int
+    regathered_params: int
+    evicted_params: int
+    persistent_gathers: int
+    live_high_water: int
+    param_gathers: dict
+    trace_outcome: str
+    trace_events: int
+    trace_digest: str
+    trace_misses: int
+    persistent_params: int
+    persistent_elements: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The stats as a plain dict."""
+        return asdict(self)
+
+
+def freeze(counters: StepCounters, **extra: Any) -> CoordinatorStats:
+    """Snapshot ``counters`` with the step-level fields in ``extra``."""
+    values = dict(vars(counters))
+    values["param_gathers"] = dict(counters.param_gathers)
+    values.update(extra)
+    return CoordinatorStats(**values)
