@@ -1,0 +1,65 @@
+"""Terminal output for the recipes: a one-line progress bar, a summary table, a loss curve PNG."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, Sequence
+
+
+class Progress:
+    """A single-line progress bar that rewrites itself (rank 0 only), with free-form fields."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 24) -> None:
+        self.total, self.enabled, self.width = total, enabled, width
+        self.started = time.perf_counter()
+
+    def update(self, step: int, **fields: str) -> None:
+        if not self.enabled:
+            return
+        done = int(self.width * step / max(self.total, 1))
+        bar = "#" * done + "." * (self.width - done)
+        text = "  ".join(f"{key} {value}" for key, value in fields.items())
+        end = "\n" if step == self.total or not sys.stdout.isatty() else ""
+        print(f"\r[{bar}] {step}/{self.total}  {text}", end=end, flush=True)
+
+    def note(self, message: str) -> None:
+        """A line that stays (validation loss, checkpoint saved, ...)."""
+        if self.enabled:
+            print(("\n" if sys.stdout.isatty() else "") + message, flush=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+def table(rows: Sequence[tuple[str, str]]) -> str:
+    """Two aligned columns with a rule above and below."""
+    width = max(len(key) for key, _ in rows)
+    rule = "-" * (width + 3 + max(len(value) for _, value in rows))
+    return "\n".join([rule, *(f"{key:<{width}}   {value}" for key, value in rows), rule])
+
+
+def mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:,.1f} MiB"
+
+
+def plot_losses(path: str, train: Sequence[tuple[int, float]],
+                val: Sequence[tuple[int, float]]) -> Optional[str]:
+    """Write the loss curves to ``path`` if matplotlib is installed; return the path or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(*zip(*train), label="train")
+    if val:
+        axes.plot(*zip(*val), "o-", label="validation")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats/char)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
