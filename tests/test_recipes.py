@@ -37,6 +37,7 @@ class Case:
     script: str
     args: tuple[str, ...]
     check: Callable[[str, Path], None]
+    nproc: int = 2
 
 
 # ------------------------------------------------------------------ checks
@@ -134,7 +135,16 @@ TRAIN_GPT_TINY = ("--steps", "6", "--n-layer", "2", "--n-embd", "64", "--seq-len
                   "--sample-chars", "16", "--dtype", "fp32", "--out", "{workdir}/gpt.ckpt",
                   "--plot", "{workdir}/loss.png")
 
+def check_train_gpt_2d(out: str, workdir: Path) -> None:
+    assert "grid: 2 dp x 2 tp" in out, out
+    losses = [float(v) for (v,) in rows(r"^step\s+\d+\s+loss ([\d.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0], out
+
+
 CASES = [
+    Case("train_gpt_2d", "train_gpt_2d.py",
+         ("--steps", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--fp32"),
+         check_train_gpt_2d, nproc=4),
     Case("train_gpt", "train_gpt.py", TRAIN_GPT_TINY, check_train_gpt),
     Case("memory_probe", "memory_probe.py",
          ("--nlayers", "6", "--hidden-dim", "256", "--dtype", "fp32", "--forwards", "1"), check_memory_probe),
@@ -176,10 +186,10 @@ class Launched:
             self.proc.wait()
 
 
-def launch(case: Case, workdir: Path, nproc: int = 2) -> Launched:
+def launch(case: Case, workdir: Path, nproc: int | None = None) -> Launched:
     """Start ``torchrun --standalone --nproc-per-node <nproc> recipes/<script> <args>``."""
     args = [a.replace("{workdir}", str(workdir)) for a in case.args]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc or case.nproc),
                str(RECIPES / case.script), *args]
     with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
         proc = subprocess.Popen(command, cwd=workdir, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
