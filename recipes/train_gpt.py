@@ -82,7 +82,8 @@ def build(args: argparse.Namespace):
                          persistence_threshold=args.persistence_threshold,
                          overlap_comm=args.overlap_comm) if args.partition else None
     adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    optimizer = BF16Optimizer(adamw, clip_grad=args.clip, named_parameters=model.named_parameters())
+    optimizer = BF16Optimizer(adamw, clip_grad=args.clip, named_parameters=model.named_parameters(),
+                              allow_fp32=args.dtype == "fp32")
     total = args.steps
 
     def warmup_cosine(step: int) -> float:

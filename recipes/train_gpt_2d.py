@@ -24,9 +24,8 @@ from gpt_model import GPTConfig
 from gpt_tp_model import TPGPT
 from parts.checkpoint import CheckpointPolicy, ContiguousBuffers, checkpoint, seed_model_parallel
 from parts.optim import BF16Optimizer
-from parts.parallel import ParallelGrid, clip_grad_norm_2d, tp_full_state_dict
-from parts.partition import (attach, full_state_dict, meta, partitioned,
-                             register_external_parameter)
+from parts.parallel import ParallelGrid, tp_full_state_dict, tp_split
+from parts.partition import attach, full_state_dict, partitioned, register_external_parameter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,7 +83,11 @@ def build(args: argparse.Namespace, grid: ParallelGrid):
                       checkpoint_fn=ckpt)
     attach(model, group=grid.dp_group)
     register_external_parameter(model, model.wte.weight)  # the tied head runs in the root's forward
-    optimizer = BF16Optimizer(make_optimizer(model.parameters(), args), group=grid.dp_group)
+    # clip by the norm over the whole grid: dp partitions summed over dp, then over tp; a param
+    # that is not tp-split has the same grad on every tp rank, so only tp rank 0 counts it
+    optimizer = BF16Optimizer(make_optimizer(model.parameters(), args), group=grid.dp_group,
+                              clip_grad=args.clip, norm_groups=(grid.tp_group,),
+                              replicated=lambda p: tp_split(p) is None, allow_fp32=args.fp32)
     return model, optimizer, policy
 
 
@@ -97,17 +100,15 @@ def local_batch(tokens: torch.Tensor, args: argparse.Namespace, step: int, grid:
     return inputs[rows], targets[rows]
 
 
-def train_step(model, optimizer, policy, grid, inputs, targets, clip: float):
-    """Forward, backward, clip over the grid, step; returns the local loss and the grad norm."""
+def train_step(model, optimizer, policy, inputs, targets):
+    """Forward, backward, step (which clips by the grid-wide norm); the local loss and that norm."""
     if policy.buffers is not None:
         policy.buffers.reset()
     loss = model(inputs, targets)
     loss.backward()
-    norm = clip_grad_norm_2d(model.parameters(), clip if clip > 0 else float("inf"), grid,
-                             grad_fn=lambda p: meta(p).grad_shard)
     optimizer.step()
     optimizer.zero_grad()
-    return loss.detach(), norm
+    return loss.detach(), optimizer.last_grad_norm
 
 
 def train(args: argparse.Namespace, grid: ParallelGrid, tokens: torch.Tensor, log=None) -> dict:
@@ -118,11 +119,10 @@ def train(args: argparse.Namespace, grid: ParallelGrid, tokens: torch.Tensor, lo
     losses, norms = [], []
     for step in range(args.steps):
         start = time.perf_counter()
-        loss, norm = train_step(model, optimizer, policy, grid, *local_batch(tokens, args, step, grid),
-                                args.clip)
+        loss, norm = train_step(model, optimizer, policy, *local_batch(tokens, args, step, grid))
         dist.all_reduce(loss, group=grid.dp_group)
         losses.append(loss.item() / grid.dp_size)
-        norms.append(norm.item())
+        norms.append(norm)
         if log is not None:
             log(f"step {step:3d}  loss {losses[-1]:.4f}  grad norm {norms[-1]:.3f}  "
                 f"{time.perf_counter() - start:.2f} s")

@@ -304,8 +304,10 @@ def test_bad_input_errors() -> None:
         BF16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     model = build("mlp")
     model[2].float()
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(TypeError, match="'group0.param2' is torch.float32"):
         BF16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="one dtype"):  # fp32 allowed, but not mixed with bf16
+        BF16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), allow_fp32=True)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         BF16Optimizer(list(model.parameters()))
     with pytest.raises(ValueError, match="allgather_bucket_size"):

@@ -13,7 +13,7 @@ from parts._compat import all_gather_flat, reduce_scatter_flat
 
 from .layout import BucketPiece
 
-__all__ = ["world_and_rank", "reduce_scatter_mean", "all_reduce_norm", "all_reduce_any",
+__all__ = ["world_and_rank", "global_rank", "reduce_scatter_mean", "all_reduce_norm", "all_reduce_any",
            "gather_buckets", "all_gather_partition", "all_reduce_mean"]
 
 
@@ -27,6 +27,11 @@ def world_and_rank(group: Optional[Any]) -> tuple[int, int]:
                                "rank would silently hold the whole optimizer state)")
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, world_size: int,
@@ -46,14 +51,21 @@ def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, world_size: int,
 
 
 def all_reduce_norm(local: torch.Tensor, norm_type: float, world_size: int,
-                    group: Optional[Any]) -> torch.Tensor:
-    """Combine per-rank partial norms (``sum |g|^p``, or max for inf) into the global norm."""
+                    group: Optional[Any], extra_groups: Sequence[Any] = ()) -> torch.Tensor:
+    """Combine per-rank partial norms (``sum |g|^p``, or max for inf) into the global norm.
+
+    Reduced over ``group``, then over each of ``extra_groups`` in turn (the other axes of a
+    grid: a dp group then a tp group together cover every rank of a dp x tp grid once).
+    """
     total = local.clone()
     if not bool(torch.isfinite(total)):
         total.fill_(math.inf)  # NaN does not survive a MAX reduction everywhere; inf does
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     if world_size > 1:
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(total, op=op, group=group)
+    for extra in extra_groups:
+        if dist.get_world_size(extra) > 1:
+            dist.all_reduce(total, op=op, group=extra)
     if math.isinf(norm_type) or norm_type == 0:
         return total
     return total.pow(1.0 / norm_type)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
 from . import _collectives as C
 from . import checkpoint as ckpt
 from .flat_group import FlatGroup
-from .layout import STEP_CHUNK, plan_buckets
+from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .sharded import ShardedParam, partition_api
+from .validation import ParamChecker, check_options
 
 __all__ = ["BF16Optimizer"]
 
@@ -29,8 +30,15 @@ class BF16Optimizer(torch.optim.Optimizer):
     Grads live in the fp32 buffers the post-accumulate-grad hooks fill, not in ``p.grad``:
     clear them with this wrapper's ``zero_grad()`` (``model.zero_grad()`` does not reach them).
     Extra keywords: ``loss_scaler`` (fp16; created by default for fp16 params),
-    ``named_parameters`` (e.g. ``model.named_parameters()``: names used in checkpoints) and
-    ``step_chunk`` (elements per master view the wrapped optimizer steps; see layout.STEP_CHUNK).
+    ``named_parameters`` (e.g. ``model.named_parameters()``: names used in checkpoints and
+    errors), ``step_chunk`` (elements per master view the wrapped optimizer steps; see
+    layout.STEP_CHUNK) and ``allow_fp32`` (accept fp32 params, which are otherwise a TypeError).
+
+    Grid-wide norm (e.g. dp x tensor parallel): ``norm_groups`` are further process groups the
+    partial norm is summed over after ``group`` (a tp group); ``replicated(p) -> bool`` marks
+    params whose grad is the same on every rank of ``norm_groups`` (not tp-split): only the rank
+    that is rank 0 of every norm group counts those, so each element counts once. The clip,
+    the skip on a non-finite norm and ``last_grad_norm`` then use that grid-wide norm.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, group: Optional[Any] = None,
@@ -39,26 +47,33 @@ class BF16Optimizer(torch.optim.Optimizer):
                  grad_accum_dtype: torch.dtype = torch.float32,
                  loss_scaler: Optional[DynamicLossScaler] = None,
                  named_parameters: Optional[NamedParams] = None,
-                 step_chunk: int = STEP_CHUNK) -> None:
+                 step_chunk: int = STEP_CHUNK, allow_fp32: bool = False,
+                 norm_groups: Sequence[Any] = (),
+                 replicated: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"BF16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if step_chunk < 1:
-            raise ValueError(f"step_chunk must be >= 1, got {step_chunk}")
-        self.step_chunk = int(step_chunk)
-        if clip_grad < 0 or norm_type < 0:
-            raise ValueError(f"clip_grad and norm_type must be >= 0, got {clip_grad}, {norm_type}")
+        self.norm_groups = tuple(norm_groups)
+        check_options(clip_grad=clip_grad, norm_type=norm_type, step_chunk=step_chunk,
+                      allgather_bucket_size=allgather_bucket_size,
+                      grad_accum_dtype=grad_accum_dtype, norm_groups=self.norm_groups,
+                      replicated=replicated)
+        self.step_chunk, self.allow_fp32 = int(step_chunk), bool(allow_fp32)
         self._init_hook_dicts()
         self.optimizer, self.process_group = optimizer, group
         self.clip_grad, self.norm_type = float(clip_grad), float(norm_type)
         self.grad_accum_dtype = grad_accum_dtype
         self.world_size, self.rank = C.world_and_rank(group)
         plan_buckets([], allgather_bucket_size, self.world_size)  # validate before touching params
+        self._counts_replicated = self._norm_group_ranks_are_zero()
+        self._replicated = replicated
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
         self._has_grads = False
         self.flat_groups: list[Optional[FlatGroup]] = []
         self.sharded_groups: list[list[ShardedParam]] = []
         self._where: dict[int, tuple[str, int, int]] = {}
+        self._norm_ranges: list[list[tuple[int, int]]] = []
+        self._norm_sharded: list[list[bool]] = []
         self._hooks: list[Any] = []
         self._build(self._names(named_parameters))
         self.loss_scaler = loss_scaler
@@ -102,34 +117,66 @@ class BF16Optimizer(torch.optim.Optimizer):
 
     def _build(self, names: dict[int, str]) -> None:
         is_partitioned, meta = partition_api()
-        seen: set[int] = set()
-        kind: list = []
+        checker = ParamChecker(self.allow_fp32)
         for g, group in enumerate(self.optimizer.param_groups):
             replicated, rep_names, sharded = [], [], []
             for i, p in enumerate(group["params"]):
                 name = names.get(id(p), f"group{g}.param{i}")
-                self._check_param(p, name, seen)
                 if is_partitioned(p):
-                    sp = ShardedParam(p, meta(p), self.rank)
+                    record = meta(p)
+                    checker.check(p, name, record.shard.dtype)
+                    sp = ShardedParam(p, record, self.rank)
                     sp.name = sp.name or name
                     self._where[id(p)] = ("sharded", g, len(sharded))
                     sharded.append(sp)
                 else:
-                    self._check_dtype(p, name, kind)
+                    checker.check(p, name, p.dtype)
                     self._where[id(p)] = ("flat", g, len(replicated))
                     replicated.append(p)
                     rep_names.append(name)
-            fg = None
-            if replicated:
-                fg = FlatGroup(replicated, rep_names, self.world_size, self.rank,
-                               self.grad_accum_dtype, self.step_chunk)
-                for i, p in enumerate(replicated):
-                    self._hooks.append(p.register_post_accumulate_grad_hook(
-                        fg.make_hook(i, self._mark_grads)))
-            self.flat_groups.append(fg)
-            self.sharded_groups.append(sharded)
-            group["params"] = (fg.master_chunks if fg else []) + [s.master for s in sharded]
-            self._adopt_state(fg, sharded)
+            self._add_group(group, replicated, rep_names, sharded)
+
+    def _add_group(self, group: dict, replicated: list, rep_names: list[str],
+                   sharded: list[ShardedParam]) -> None:
+        """Pack one group's replicated params, hook their grads, point the group at the masters."""
+        fg = None
+        if replicated:
+            fg = FlatGroup(replicated, rep_names, self.world_size, self.rank,
+                           self.grad_accum_dtype, self.step_chunk)
+            for i, p in enumerate(replicated):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    fg.make_hook(i, self._mark_grads)))
+        self.flat_groups.append(fg)
+        self.sharded_groups.append(sharded)
+        self._norm_ranges.append(self._flat_norm_ranges(fg))
+        self._norm_sharded.append([self._counts(s.param) for s in sharded])
+        group["params"] = (fg.master_chunks if fg else []) + [s.master for s in sharded]
+        self._adopt_state(fg, sharded)
+
+    # -- which grads count toward the norm on this rank --------------------------------------
+    def _norm_group_ranks_are_zero(self) -> bool:
+        """True if this rank is rank 0 of every norm group (it counts replicated params)."""
+        zero = True
+        for i, g in enumerate(self.norm_groups):
+            size, rank = C.world_and_rank(g)
+            if size < 1 or rank < 0:
+                raise ValueError(f"BF16Optimizer: norm_groups[{i}] does not contain this process "
+                                 f"(global rank {C.global_rank()}); pass groups this rank is in")
+            zero = zero and rank == 0
+        return zero
+
+    def _counts(self, p: torch.Tensor) -> bool:
+        """Whether this rank counts ``p``'s grad in the norm."""
+        return self._counts_replicated or self._replicated is None or not self._replicated(p)
+
+    def _flat_norm_ranges(self, fg: Optional[FlatGroup]) -> list[tuple[int, int]]:
+        """``(offset, length)`` runs of this rank's grad partition that count toward the norm."""
+        if fg is None:
+            return []
+        counted = [self._counts(p) for p in fg.params]
+        if all(counted):
+            return [(0, fg.real_numel())]
+        return counted_ranges(fg.layout.pieces(self.rank), counted)
 
     def _adopt_state(self, fg: Optional[FlatGroup], sharded: list[ShardedParam]) -> None:
         """Move state the wrapped optimizer already holds (e.g. Adagrad's) onto the masters."""
@@ -140,14 +187,6 @@ class BF16Optimizer(torch.optim.Optimizer):
             if s.param in state:
                 ckpt.adopt_sharded_state(self.optimizer, s, state.pop(s.param))
 
-    def _check_param(self, p: torch.Tensor, name: str, seen: set[int]) -> None:
-        if id(p) in seen:
-            raise ValueError(f"parameter {name!r} appears twice in the optimizer's groups")
-        seen.add(id(p))
-        if not p.requires_grad:
-            raise ValueError(f"parameter {name!r} does not require grad; leave frozen "
-                             "parameters out of the optimizer")
-
     def _model_dtype(self) -> Optional[torch.dtype]:
         for fg in self.flat_groups:
             if fg is not None:
@@ -156,14 +195,6 @@ class BF16Optimizer(torch.optim.Optimizer):
             for s in sharded:
                 return s.record.shard.dtype
         return None
-
-    def _check_dtype(self, p: torch.Tensor, name: str, kind: list) -> None:
-        if not kind:
-            kind.append((p.dtype, p.device, name))
-        dtype, device, first = kind[0]
-        if (p.dtype, p.device) != (dtype, device):
-            raise ValueError(f"BF16Optimizer: all replicated params must share one dtype and device; "
-                             f"{name!r} is {p.dtype} on {p.device}, {first!r} is {dtype} on {device}")
 
     def _mark_grads(self) -> None:
         self._has_grads = True
@@ -199,7 +230,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                                "gradients (or right after zero_grad()); call loss.backward() first")
         self._reduce_grads()
         grads = self._local_grads()
-        norm = self._global_norm(grads)
+        norm = self._global_norm(self._norm_grads(grads))
         scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
         if scale != 1.0:
             norm = norm / scale
@@ -234,6 +265,17 @@ class BF16Optimizer(torch.optim.Optimizer):
                     if s.master.grad is not None]
         return out
 
+    def _norm_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parts of ``grads`` (as ``_local_grads`` lists them) this rank counts in the norm."""
+        if self._counts_replicated or self._replicated is None:
+            return grads
+        out = [fg.part_grad.narrow(0, lo, n) for fg, ranges in zip(self.flat_groups, self._norm_ranges)
+               for lo, n in ranges]
+        for sharded, counted in zip(self.sharded_groups, self._norm_sharded):
+            out += [s.master.grad.narrow(0, 0, s.real_numel()) for s, c in zip(sharded, counted)
+                    if c and s.master.grad is not None]
+        return out
+
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         p = self.norm_type
         local = torch.zeros((), dtype=torch.float32)
@@ -245,7 +287,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                 local = torch.maximum(local, n)
             else:
                 local = local + (n if p == 0 else n.pow(p))
-        return C.all_reduce_norm(local, p, self.world_size, self.process_group)
+        return C.all_reduce_norm(local, p, self.world_size, self.process_group, self.norm_groups)
 
     def _scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor, scale: float) -> None:
         coef = torch.ones((), dtype=torch.float32)

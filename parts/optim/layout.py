@@ -22,7 +22,7 @@ from typing import Sequence
 from parts.partition.layout import ShardLayout
 
 __all__ = ["PARTITION_ALIGN", "STEP_CHUNK", "Piece", "GroupLayout", "BucketPiece", "plan_buckets",
-           "source_ranges", "chunk_ranges"]
+           "source_ranges", "chunk_ranges", "counted_ranges"]
 
 PARTITION_ALIGN = 32
 
@@ -148,4 +148,22 @@ def source_ranges(start: int, stop: int, shard_numel: int) -> list[tuple[int, in
         end = min(stop, (rank + 1) * shard_numel)
         out.append((rank, pos - rank * shard_numel, end - rank * shard_numel))
         pos = end
+    return out
+
+
+def counted_ranges(pieces: Sequence[Piece], counted: Sequence[bool]) -> list[tuple[int, int]]:
+    """``(offset, length)`` runs of a partition whose parameters count toward the grad norm.
+
+    ``pieces`` are one rank's partition pieces (:meth:`GroupLayout.pieces`); ``counted[i]`` says
+    whether parameter ``i`` counts on this rank. Adjacent counted pieces merge into one run.
+    """
+    out: list[tuple[int, int]] = []
+    for pc in pieces:
+        if not counted[pc.index]:
+            continue
+        length = pc.stop - pc.start
+        if out and out[-1][0] + out[-1][1] == pc.offset:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((pc.offset, length))
     return out
