@@ -128,9 +128,9 @@ def test_persistent_params_are_gathered_once_per_update():
         core_ag, core_total = out["core_expected"]
         assert out["persistent"] > 0 and pers > 0
         for stats, core_ag_bytes, _ in out["steps"][1:]:
-            # training: persistent params are gathered once per step, at its start, in one
-            # collective (released after backward since the optimizer changes their shards),
-            # the others twice
+            # training: persistent params stay gathered, but the optimizer changed their
+            # shards, so they are gathered again once per step, at its start, in one
+            # collective; the others twice
             assert stats.allgather_bytes == 2 * normal + pers
             assert stats.persistent_gathers == out["persistent"]
             assert stats.reduce_scatter_bytes == total

@@ -15,6 +15,15 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def check_member(group: Optional[Any], what: str) -> None:
+    """Raise ValueError naming this rank if it is not a member of ``group``."""
+    if group is None or not is_distributed():
+        return
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(f"{what}: rank {dist.get_rank()} is not a member of the process group "
+                         f"passed; only the ranks of a group may use it")
+
+
 def group_rank(group: Optional[Any] = None) -> int:
     """This process's rank in ``group`` (default group); 0 when not distributed."""
     return dist.get_rank(group) if is_distributed() else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from parts.checkpoint._collectives import check_member
 from parts.checkpoint.buffers import ContiguousBuffers
 from parts.checkpoint.rng import RNGTracker
 from parts.observe import Timers
@@ -47,5 +48,6 @@ class CheckpointPolicy:
         if self.rng_tracker is not None and not isinstance(self.rng_tracker, RNGTracker):
             raise TypeError(f"CheckpointPolicy.rng_tracker must be an RNGTracker or None, "
                             f"got {type(self.rng_tracker).__name__}")
+        check_member(self.partition_group, "CheckpointPolicy.partition_group")
         if self.check_replicated and self.partition_group is None:
             raise ValueError("CheckpointPolicy.check_replicated needs a partition_group to check")

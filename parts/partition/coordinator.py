@@ -26,9 +26,11 @@ parameters (farthest next use first), so it is exceeded only by the parameters o
 modules running at that moment (the current one, running ancestors, tied parameters
 waiting for their last backward use). ``persistence_threshold`` /
 ``model_persistence_threshold``: parameters of at most that many elements (smallest first,
-up to that total) are gathered once per step, all in one collective at its start, and never
-released within it; after a backward they are released, because the optimizer is about to
-step their shards (no stale full copy survives an update).
+up to that total) are gathered at the start of the first step, all in one collective, and
+stay gathered for good. At the start of every later step those whose shard changed since
+they were gathered (an optimizer stepped it: ``parts.partition.param.is_stale``) are
+gathered again, in one collective, so no stale full copy is ever used: one gather of them
+per optimizer step, none for steps without an update (evaluation, accumulation).
 
 What all ranks must share: the same submodules run in the same order (every fetch and
 reduce-scatter is a collective). ``debug=True`` checks it before every fetch and raises
@@ -46,14 +48,14 @@ import torch
 from torch import nn
 
 from parts.partition.coordinator_checks import check_group, check_sharded
-from parts.partition.coordinator_debug import RankDivergence, check_digest, check_event
-from parts.partition.coordinator_fetch import FetchEngine, ModuleCall, StepState, shard_version
+from parts.partition.coordinator_debug import RankDivergence, check_digest, check_event, check_refresh
+from parts.partition.coordinator_fetch import FetchEngine, ModuleCall, StepState
 from parts.partition.coordinator_hooks import (ModuleHooks, in_backward, on_backward_end,
                                                register_pre_backward)
 from parts.partition.coordinator_stats import CoordinatorStats, StepCounters, freeze
 from parts.partition.gather import release
 from parts.partition.grads import reduce_scatter_grads
-from parts.partition.param import ParamStatus, is_partitioned, meta
+from parts.partition.param import ParamStatus, is_partitioned, is_stale, meta
 from parts.partition.plan import Knobs, collective_bytes, select_persistent
 from parts.partition.trace import BACKWARD, FORWARD, TraceBook, phase_name, trace_digest
 
@@ -153,7 +155,6 @@ class FetchCoordinator(FetchEngine):
         self._prefetched: set = set()
         self._pass_gathers: dict[tuple, int] = {}
         self._fwd_no = self._bwd_no = 0
-        self._versions: dict[int, tuple] = {}
         self._pending: list = []  # params whose full grad is complete, awaiting reduce-scatter
         self._pending_numel = 0
         self._bwd_phase: Optional[str] = None
@@ -220,21 +221,25 @@ class FetchCoordinator(FetchEngine):
     def _begin_step(self, phase: str) -> None:
         self._book.begin(phase)
         self._steps[phase] = StepState(phase)
-        self._refresh_persistent()
+        self._refresh_persistent(phase)
 
-    def _refresh_persistent(self) -> None:
-        """Gather every persistent param in one (async) collective at the start of a step.
+    def _refresh_persistent(self, phase: str) -> None:
+        """Gather the persistent params that need it in one (async) collective at a step's start.
 
-        They were released at the end of the last backward (an optimizer step was about to
-        change their shards); a stale full copy (shard changed since gathered) is replaced.
+        They stay gathered across steps; one whose shard changed since it was gathered (an
+        optimizer stepped it) is released and gathered again with the others. The decision
+        is local (every rank steps its shards of the same params); ``debug`` checks it.
         """
         stale, todo = [], []
         for pid in self._persistent_ids:
             m = self._recs[pid]
             if m.status is _NOT_AVAILABLE:
                 todo.append(pid)
-            elif not self._uses.get(pid) and self._versions.get(pid) != shard_version(m):
+            elif not self._uses.get(pid) and is_stale(m):
                 stale.append(pid)
+        if self.knobs.debug:
+            check_refresh(sorted(todo + stale), phase,
+                          {pid: self._recs[pid].name for pid in todo + stale}, self._group())
         if stale:
             release([self._by_id[pid] for pid in stale])
             todo = sorted(todo + stale)
@@ -242,7 +247,7 @@ class FetchCoordinator(FetchEngine):
             self._counters.persistent_gathers += len(todo)
             self._gather(todo, async_op=self.knobs.overlap_comm)
 
-    def _end_step(self, phase: str, drop_persistent: bool = False) -> None:
+    def _end_step(self, phase: str) -> None:
         step = self._steps.pop(phase)
         record = self._book.end(phase)
         digest = trace_digest(record.events, self._names)
@@ -251,8 +256,6 @@ class FetchCoordinator(FetchEngine):
             check_digest(digest, phase, self._group())
         idle = [pid for pid in self._live if not self._uses.get(pid)]
         self._release_ids(idle)
-        if drop_persistent:  # the optimizer may step the shards now: no stale full copies
-            release([self._by_id[pid] for pid in sorted(self._persistent) if not self._uses.get(pid)])
         self._prefetched.clear()
         self._pass_gathers.clear()
         self._misses += record.outcome == "diverged"
@@ -370,7 +373,7 @@ class FetchCoordinator(FetchEngine):
             self._uses[pid] -= held
         self._bwd_uses.clear()
         if phase in self._steps:
-            self._end_step(phase, drop_persistent=True)
+            self._end_step(phase)
 
     def _reduce(self) -> None:
         """Reduce-scatter the pending full grads (one coalesced collective) into the grad shards."""

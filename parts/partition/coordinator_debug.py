@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from parts._compat import all_gather_flat
 
-__all__ = ["RankDivergence", "exchange", "check_event", "check_digest"]
+__all__ = ["RankDivergence", "exchange", "check_event", "check_digest", "check_refresh"]
 
 _KINDS = {"F": 0, "B": 1, "end": 2}
 _NAMES = {v: k for k, v in _KINDS.items()}
@@ -66,3 +66,17 @@ def check_digest(digest: str, phase: str, group: Any) -> None:
     if any(row != rows[0] for row in rows):
         raise RankDivergence(f"FetchCoordinator(debug=True): the {phase!r} step trace digest "
                              f"differs across ranks: {[hex(r[0]) for r in rows]}")
+
+
+def check_refresh(ids: Sequence[int], phase: str, names: dict, group: Any) -> None:
+    """Raise ``RankDivergence`` unless every rank re-gathers the same persistent params (by id)."""
+    rows = exchange([len(ids), sum(ids), sum(i * i for i in ids) & ((1 << 62) - 1)], group)
+    if all(row == rows[0] for row in rows):
+        return
+    counts = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
+    example = names.get(ids[0], "?") if ids else "none"
+    raise RankDivergence(
+        f"FetchCoordinator(debug=True): at the start of the {phase!r} step the ranks disagree on "
+        f"which persistent parameters changed since they were gathered ({counts}; this rank: "
+        f"{len(ids)}, e.g. '{example}'). Every rank must step (or load) its shards of the same "
+        "parameters, e.g. one optimizer step on every rank.")

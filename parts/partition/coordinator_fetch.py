@@ -20,7 +20,7 @@ from parts.partition.plan import (StepPlan, build_plan, choose_evictions, collec
 from parts.partition.coordinator_hooks import in_backward
 from parts.partition.trace import BACKWARD, FORWARD
 
-__all__ = ["FetchEngine", "ModuleCall", "StepState", "shard_version"]
+__all__ = ["FetchEngine", "ModuleCall", "StepState"]
 
 _NOT_AVAILABLE = ParamStatus.NOT_AVAILABLE
 _AVAILABLE = ParamStatus.AVAILABLE
@@ -128,7 +128,6 @@ class FetchEngine:
         seen = self._pass_gathers.get((pass_key, pid), 0)
         self._pass_gathers[(pass_key, pid)] = seen + 1
         self._counters.regathered_params += seen > 0
-        self._versions[pid] = shard_version(m)
         if pid not in self._persistent and pid not in self._live:
             self._live[pid] = m.numel
             self._live_total += m.numel
@@ -214,9 +213,3 @@ class FetchEngine:
                     step.recheck.add(pid)
         if params:
             release(params)
-
-
-def shard_version(record: Any) -> tuple:
-    """Identity and version counter of a parameter's shard: changes when an optimizer steps it."""
-    shard = record.shard
-    return id(shard), shard._version

@@ -4,7 +4,11 @@
 agree on the layout) into one flat send buffer with ``parts.csrc.copy_in``, all-gathers
 it, and unpacks the full tensors with ``parts.csrc.copy_out``. Parameters of several
 dtypes travel in one byte buffer. Fetch is idempotent: AVAILABLE params are skipped,
-INFLIGHT params are not requested again, their pending handle is joined.
+INFLIGHT params are not requested again, their pending handle is joined. An AVAILABLE
+param whose shard changed since it was gathered (``is_stale``: an optimizer stepped the
+shard while the param stayed gathered) is fetched again, so a gather never hands out
+stale values. (Every rank must see the same shards change, as with any optimizer that
+steps all ranks' shards, or the ranks would disagree on the collective.)
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch import nn
 from parts import csrc
 from parts.partition._collectives import GroupInfo, all_gather
 from parts.partition.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
-                                   internal, metas_sorted)
+                                   internal, is_stale, metas_sorted, stamp)
 
 __all__ = ["GatherHandle", "gather", "release"]
 
@@ -80,6 +84,8 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool) -> GatherHandle:
     device, unit = pairs[0][1].device, _unit_dtype(pairs)
     sizes, offsets, chunk = _plan(pairs, unit)
     send = alloc(chunk, unit, device)
+    for _, m in pairs:
+        stamp(m)  # the full tensor will hold the shards as packed now
     csrc.copy_in([_as_units(m.shard.to(device, non_blocking=True), unit) for _, m in pairs],
                  send, offsets)
     recv = alloc(chunk * info.world_size, unit, device)
@@ -99,7 +105,7 @@ def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = F
     """Make ``params`` full (``p.data`` gets the global tensor) with one coalesced all-gather."""
     pairs = metas_sorted(params)
     info = common_info(pairs, group, "gather")
-    todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE]
+    todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE or is_stale(m)]
     joined = {id(m.handle): m.handle for _, m in pairs
               if m.status is ParamStatus.INFLIGHT and m.handle is not None}
     handle = GatherHandle([], joined=joined.values())

@@ -1,7 +1,7 @@
 """``gathered(params, modifier_rank=None)``: full parameters inside a ``with`` block.
 
 On entry the params are gathered (one collective; those already AVAILABLE are kept as
-they are). On normal exit:
+they are, unless their shard changed since they were gathered: those are fetched again). On normal exit:
 
 * with ``modifier_rank=r``: rank ``r``'s full values are broadcast and re-sharded, so
   every rank's shard (and the full tensor of params that stay available) hold them;
@@ -38,8 +38,8 @@ def gathered(params: Iterable[nn.Parameter], modifier_rank: Optional[int] = None
                          f"{pairs[0][1].world_size} ranks")
     before = [(p, m) for p, m in pairs if m.status is ParamStatus.AVAILABLE]
     ours = [(p, m) for p, m in pairs if m.status is not ParamStatus.AVAILABLE]
+    gather([p for p, _ in pairs])  # also refreshes AVAILABLE params whose shard changed
     saved = [p.data.clone() for p, _ in before] if modifier_rank is None else []
-    gather([p for p, _ in pairs])
     try:
         yield
     except BaseException:

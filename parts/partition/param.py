@@ -4,12 +4,31 @@ A sharded parameter stays the same ``nn.Parameter`` object; its record lives in 
 attribute ``_parts_meta``. While released, ``p.data`` is an empty tensor (numel 0, the
 shard dtype, the compute device); the global shape and numel are on the record.
 All fresh tensors of this package come from ``alloc`` so that a test can poison them.
+
+Guard. A released parameter must never silently take part in math (``p + 1`` on a
+numel-0 tensor is an empty tensor, not an error). So whenever ``status`` is not AVAILABLE
+the parameter's class is ``ReleasedParameter`` (an ``nn.Parameter`` subclass whose
+``__torch_function__`` raises, naming the parameter and its module, for every op that
+reads data); setting ``status`` to AVAILABLE gives it back its own class. Gathered
+parameters therefore pay nothing per op (the class switch costs well under a
+microsecond per gather/release). Metadata stays usable while released: attributes
+(``p.data`` get/set, ``.grad``, ``.dtype``, ``.requires_grad``...) except views
+(``.T``, ``.mT``, ``.real``...), ``size()``/``dim()``/``numel()``, storage and pointer
+queries (memory accounting), hooks, ``requires_grad_``, ``hash``; ``copy.deepcopy`` and
+pickling raise instead of copying an empty tensor. Escape hatch: ``p.data`` is the plain
+(empty) tensor, as library code needs.
+
+Freshness. ``full_version`` is the shard's version (``shard_version``) when the full
+tensor was gathered; ``is_stale`` says the shard changed since (an optimizer stepped it
+while the parameter stayed gathered), and ``gather`` fetches such a parameter again.
+Code that writes the shard *and* the full tensor consistently calls ``stamp``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
@@ -19,8 +38,8 @@ from torch import nn
 from parts.partition._collectives import GroupInfo
 from parts.partition.layout import ShardLayout
 
-__all__ = ["ParamStatus", "ParamMeta", "is_partitioned", "meta", "alloc", "unique_params", "internal",
-           "empty_like_released"]
+__all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "is_partitioned", "meta", "alloc",
+           "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp"]
 
 _ATTR = "_parts_meta"
 
@@ -45,12 +64,29 @@ class ParamMeta:
     info: GroupInfo
     id: int
     device: torch.device
-    status: ParamStatus = ParamStatus.NOT_AVAILABLE
+    _status: ParamStatus = ParamStatus.NOT_AVAILABLE
     module_name: str = ""
     module_type: str = ""
     handle: Optional[Any] = None
     init_dtype: Optional[torch.dtype] = None  # dtype the parameter was created in (before ``dtype=``)
     _grad: Optional[torch.Tensor] = field(default=None, repr=False)
+    full_version: Any = field(default=None, repr=False)  # shard_version() of the gathered full tensor
+    _owner: Any = field(default=None, repr=False)  # weakref to the parameter (set by attach_meta)
+    _cls: Optional[type] = field(default=None, repr=False)  # its class while AVAILABLE (None: unguarded)
+
+    @property
+    def status(self) -> ParamStatus:
+        """AVAILABLE, NOT_AVAILABLE or INFLIGHT; setting it also switches the parameter's guard."""
+        return self._status
+
+    @status.setter
+    def status(self, value: ParamStatus) -> None:
+        self._status = value
+        p = self._owner() if self._owner is not None else None
+        if p is not None and self._cls is not None:
+            target = self._cls if value is ParamStatus.AVAILABLE else ReleasedParameter
+            if type(p) is not target:
+                p.__class__ = target
 
     @property
     def numel(self) -> int:
@@ -109,8 +145,119 @@ def meta(p: torch.Tensor) -> ParamMeta:
 
 
 def attach_meta(p: nn.Parameter, record: ParamMeta) -> None:
-    """Store ``record`` on ``p`` (internal)."""
+    """Store ``record`` on ``p`` (internal) and guard ``p`` while it is not AVAILABLE."""
     p.__dict__[_ATTR] = record
+    record._owner = weakref.ref(p)
+    own = type(p) if type(p) is not ReleasedParameter else nn.Parameter
+    try:  # a tensor subclass with another memory layout cannot switch class: left unguarded
+        p.__class__ = ReleasedParameter
+        p.__class__ = own
+    except TypeError:
+        return
+    record._cls = own
+    record.status = record.status
+
+
+def shard_version(record: ParamMeta) -> tuple:
+    """Identity, version counter and storage of the shard: changes when anything writes it."""
+    shard = record.shard
+    try:
+        return id(shard), shard._version, shard.data_ptr()
+    except RuntimeError:  # an inference tensor has no version counter: never assume it is current
+        return (object(),)
+
+
+def stamp(record: ParamMeta) -> None:
+    """Record that the full tensor now matches the shard (after a gather or a consistent write)."""
+    record.full_version = shard_version(record)
+
+
+def is_stale(record: ParamMeta) -> bool:
+    """True if the parameter is AVAILABLE but its shard changed since its full tensor was gathered."""
+    return record.status is ParamStatus.AVAILABLE and record.full_version != shard_version(record)
+
+
+# ------------------------------------------------------------------- the guard class
+_VIEW_ATTRS = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_META_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point",
+    "is_complex", "is_signed", "is_contiguous", "is_pinned", "is_shared", "is_inference",
+    "get_device", "stride", "storage_offset", "untyped_storage", "data_ptr", "has_names", "_is_view",
+    "requires_grad_",
+    "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "__hash__", "__dir__",
+    "__format__", "__sizeof__"})
+
+
+def _attr_name(func: Any) -> Optional[str]:
+    """The attribute name if ``func`` is a tensor attribute's getter/setter, else None."""
+    if getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", None)
+    return None
+
+
+def _reads_data(func: Any) -> bool:
+    """False for metadata access (attributes but views, shape queries, hooks), True otherwise."""
+    attr = _attr_name(func)
+    if attr is not None:
+        return attr in _VIEW_ATTRS
+    return getattr(func, "__name__", "") not in _META_METHODS
+
+
+_PREFIXES = {"TensorBase": "Tensor", "_VariableFunctionsClass": "torch", "_TensorBase": "Tensor"}
+
+
+def _op_name(func: Any) -> str:
+    """``Tensor.add``, ``torch.cat``, ``linear``...: the op's name for an error message."""
+    attr = _attr_name(func)
+    if attr is not None:
+        return f"Tensor.{attr}"
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    head, dot, tail = name.partition(".")
+    return f"{_PREFIXES[head]}.{tail}" if dot and head in _PREFIXES else name
+
+
+def _released_message(p: torch.Tensor, what: str) -> str:
+    m = meta(p)
+    ranks = f"{m.world_size} rank{'s' if m.world_size != 1 else ''}"
+    state = (f"still being gathered (sharded over {ranks}; wait() its GatherHandle first)"
+             if m.status is ParamStatus.INFLIGHT else f"released (sharded over {ranks}; p.data is empty)")
+    return (f"parts.partition: {m.describe()} is {state}; {what} cannot use it. Gather it first: "
+            f"`with parts.partition.gathered(params):`, parts.partition.gather(params), or attach a "
+            f"FetchCoordinator (for weights: parts.partition.full_state_dict)")
+
+
+def _first_released(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The first not-AVAILABLE sharded parameter among the arguments (lists one level deep)."""
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(t) is ReleasedParameter and _ATTR in t.__dict__ \
+                    and t.__dict__[_ATTR].status is not ParamStatus.AVAILABLE:
+                return t
+    return None
+
+
+class ReleasedParameter(nn.Parameter):
+    """The class of a sharded parameter while its full tensor is not in ``p.data``: ops raise."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _reads_data(func):
+            p = _first_released(args, kwargs)
+            if p is not None:
+                raise RuntimeError(_released_message(p, f"torch op `{_op_name(func)}`"))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+    def __repr__(self) -> str:
+        m = self.__dict__.get(_ATTR)
+        what = f"{m.describe()}, {m.status.value}, sharded over {m.world_size}" if m else "no record"
+        return f"ReleasedParameter({what})"
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise RuntimeError(_released_message(self, "copy.deepcopy"))
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise RuntimeError(_released_message(self, "pickling"))
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

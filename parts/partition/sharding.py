@@ -22,7 +22,7 @@ from torch import nn
 from parts.partition._collectives import GroupInfo, broadcast
 from parts.partition.layout import ShardLayout
 from parts.partition.param import (ParamMeta, ParamStatus, alloc, attach_meta,
-                                   empty_like_released, is_partitioned)
+                                   empty_like_released, is_partitioned, stamp)
 
 __all__ = ["ShardSpec", "shard_params", "reshard", "write_shard"]
 
@@ -39,6 +39,11 @@ class ShardSpec:
     device: Optional[torch.device] = None
     remote_device: Optional[torch.device] = None
     pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise TypeError(f"parts.partition: dtype must be a floating-point torch.dtype or None, "
+                            f"got {self.dtype!r}")
 
     def shard_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` is stored in: ``dtype`` for floating point params, else unchanged."""
@@ -172,6 +177,7 @@ def reshard(pairs: list[tuple[nn.Parameter, ParamMeta]], src: int, keep: bool = 
             write_shard(m.shard, flat[off:off + n], m.layout, m.rank)
             if keep:
                 p.data.copy_(flat[off:off + n].view(m.shape))
+                stamp(m)  # full tensor and shard agree again
             else:
                 p.data = empty_like_released(m.dtype, m.device)
                 m.status = ParamStatus.NOT_AVAILABLE

@@ -3,7 +3,8 @@
 ``full_state_dict`` has exactly the keys, order and shapes of the plain module's
 ``state_dict()`` (tied weights appear under every key, as in torch). Parameters are
 gathered in buckets of ``bucket_numel`` elements and released again, so the peak is the
-output plus one bucket. ``load_full_state_dict`` loads **rank 0's** dict on every rank:
+output plus one bucket; parameters already gathered are read as they are, unless their
+shard changed since they were gathered (then they are fetched again). ``load_full_state_dict`` loads **rank 0's** dict on every rank:
 rank 0 checks keys and shapes (the verdict is broadcast so all ranks raise together),
 then broadcasts each bucket and every rank keeps its slice; other ranks may pass ``{}``.
 """
@@ -18,7 +19,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from parts.partition._collectives import GroupInfo, broadcast, broadcast_object, resolve_group
 from parts.partition.gather import gather, release
-from parts.partition.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted
+from parts.partition.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted, stamp
 from parts.partition.sharding import write_shard
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -154,4 +155,5 @@ def _load_bucket(bucket: list, values: list, info: GroupInfo) -> None:
             write_shard(m.shard, piece, m.layout, m.rank)
             if m.status is ParamStatus.AVAILABLE:
                 p.data.copy_(piece.view(m.shape))
+                stamp(m)  # full tensor and shard agree again
             off += m.numel
