@@ -1,0 +1,147 @@
+"""Training step time, peak memory and communication: parts ZeRO-3 vs FSDP2 vs DDP, side by side.
+
+    python benchmarks/bench_train.py                      # 25.4M-param GPT, fp32, world 2
+    python benchmarks/bench_train.py --n-embd 256 --steps 6   # quicker
+
+Every system trains the same GPT (recipes/gpt_model.py) from the same seed on the same
+batches, AdamW, fp32, in fresh processes (so peak RSS is each system's own), one system
+after the other in one invocation. Prints median step time, the ratio to DDP, peak RSS
+per rank, and the final loss (all systems must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean")
+
+
+def build_ddp(config):
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(GPT(config))
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
+
+
+def build_fsdp2(config):
+    from torch.distributed.fsdp import fully_shard
+    model = GPT(config)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
+
+
+def build_parts(config):
+    from parts.partition import attach, partitioned, shards
+    with partitioned():
+        model = GPT(config)
+    coordinator = attach(model, persistence_threshold=0)
+    return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
+
+
+def build_parts_lean(config):
+    """ZeRO-3 with a tight budget: about two blocks live, release after every use (3Ψ traffic)."""
+    from parts.partition import attach, partitioned, shards
+    with partitioned():
+        model = GPT(config)
+    block = 12 * config.n_embd ** 2
+    coordinator = attach(model, persistence_threshold=0, max_reuse_distance=0,
+                         prefetch_bucket_size=block, max_live_parameters=2 * block)
+    return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
+
+
+def _batches(config, args, rank):
+    generator = torch.Generator().manual_seed(1000 + rank)
+    shape = (args.batch, config.block_size)
+    return [(torch.randint(config.vocab_size, shape, generator=generator),
+             torch.randint(config.vocab_size, shape, generator=generator)) for _ in range(args.steps)]
+
+
+def _worker(rank, world_size, port, system, config, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    model, optimizer, coordinator = globals()[f"build_{system}"](config)
+    times, loss = [], None
+    for inputs, targets in _batches(config, args, rank):
+        started = time.perf_counter()
+        loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - started)
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    stats = coordinator.stats() if coordinator is not None else None
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if rank == 0:
+        results[system] = dict(step=statistics.median(times[2:] or times), peak_rss=peak_rss,
+                               loss=loss.item() / world_size, stats=stats)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--n-embd", type=int, default=512)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    args = parser.parse_args()
+    config = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.n_layer,
+                       n_head=8, n_embd=args.n_embd)
+    params = sum(p.numel() for p in GPT(config).parameters())
+    print(f"GPT {params / 1e6:.1f}M params, world {args.world_size}, micro-batch "
+          f"{args.batch}x{args.seq} per rank, fp32 AdamW, {args.steps} steps")
+    results = mp.Manager().dict()
+    for system in args.systems.split(","):
+        mp.spawn(_worker, args=(args.world_size, _free_port(), system, config, args, results),
+                 nprocs=args.world_size)
+        print(f"  {system}: done", flush=True)
+    _print_table(dict(results), params)
+
+
+def _print_table(results, params) -> None:
+    base = results.get("ddp", {}).get("step")
+    print("\n| system | step (s) | vs DDP | peak RSS / rank (MiB) | final loss | gathered + reduce-scattered per step |")
+    print("|---|---|---|---|---|---|")
+    for system, row in results.items():
+        ratio = f"{row['step'] / base:.2f}" if base else "-"
+        print(f"| {system} | {row['step']:.3f} | {ratio} | {row['peak_rss'] / 2**20:.0f} | "
+              f"{row['loss']:.4f} | {_traffic(row.get('stats'), params)} |")
+
+
+def _traffic(stats, params) -> str:
+    """Bytes moved by one rank per step, in units of the fp32 model size Ψ (x (w-1)/w)."""
+    if not stats:
+        return "-"
+    psi = 4 * params
+    return (f"{stats.allgather_bytes / psi:.2f}Ψ + {stats.reduce_scatter_bytes / psi:.2f}Ψ "
+            f"(live high-water {stats.live_high_water / params:.0%} of params)")
+
+
+if __name__ == "__main__":
+    main()
