@@ -75,6 +75,9 @@ def _worker(rank, world_size, port, system, config, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if args.mmap_threshold:
+        from parts.observe import set_mmap_threshold
+        set_mmap_threshold(args.mmap_threshold)  # freed large buffers leave the process (all systems)
     torch.manual_seed(0)
     model, optimizer, coordinator = globals()[f"build_{system}"](config)
     times, loss = [], None
@@ -110,12 +113,16 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--mmap-threshold", type=int, default=128 * 1024,
+                        help="bytes; every system's processes get parts.observe.set_mmap_threshold(N) "
+                             "(0: glibc's dynamic default)")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.n_layer,
                        n_head=8, n_embd=args.n_embd)
     params = sum(p.numel() for p in GPT(config).parameters())
     print(f"GPT {params / 1e6:.1f}M params, world {args.world_size}, micro-batch "
-          f"{args.batch}x{args.seq} per rank, fp32 AdamW, {args.steps} steps")
+          f"{args.batch}x{args.seq} per rank, fp32 AdamW, {args.steps} steps, "
+          f"mmap threshold {args.mmap_threshold or 'glibc default'}")
     results = mp.Manager().dict()
     for system in args.systems.split(","):
         mp.spawn(_worker, args=(args.world_size, _free_port(), system, config, args, results),

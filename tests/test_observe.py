@@ -198,3 +198,24 @@ def test_timers_log_min_max_across_ranks():
     assert res0 == res1 == {"fwd": (1.0, 2.0), "bwd": (0.0, 3.0)}
     assert lines0 == ["time (ms) min/max | fwd: 1000.00/2000.00 | bwd: 0.00/3000.00"]
     assert lines1 == []
+
+
+
+def _apply_threshold(num_bytes):
+    import parts.observe as observe
+    return observe.set_mmap_threshold(num_bytes), observe.trim_allocator() in (True, False)
+
+
+def test_mmap_threshold_is_applied_on_glibc():
+    """mallopt accepts it (its RSS effect is measured in benchmarks/bench_train.py, not here:
+    whether glibc keeps a freed block depends on allocation order, too fragile for a test)."""
+    import parts.observe as observe
+    if observe.allocator._libc() is None:
+        pytest.skip("not glibc")
+    from harness import run
+    assert run(1, _apply_threshold, 128 * 1024) == [(True, True)]
+
+def test_mmap_threshold_rejects_bad_sizes():
+    import parts.observe as observe
+    with pytest.raises(ValueError, match="num_bytes must be a positive int"):
+        observe.set_mmap_threshold(0)

@@ -1,5 +1,6 @@
 """parts.observe: memory and time reporting (memory_usage, storage_bytes, Timers)."""
 
+from parts.observe.allocator import set_mmap_threshold, trim_allocator
 from parts.observe.device import accelerator_device, synchronize_accelerator
 from parts.observe.memory import MemoryReport, memory_usage, reset_peak_memory, snapshot
 from parts.observe.storage import StorageTracker, iter_tensors, storage_bytes
@@ -7,4 +8,4 @@ from parts.observe.timers import Timer, Timers
 
 __all__ = ["MemoryReport", "memory_usage", "snapshot", "reset_peak_memory", "storage_bytes",
            "StorageTracker", "iter_tensors", "Timer", "Timers", "synchronize_accelerator",
-           "accelerator_device"]
+           "accelerator_device", "set_mmap_threshold", "trim_allocator"]
