@@ -28,7 +28,7 @@ from chardata import VOCAB_SIZE, batch, decode, encode, load_splits
 from gpt_model import GPT, GPTConfig
 from parts import io as pio
 from parts.checkpoint import checkpoint
-from parts.observe import snapshot
+from parts.observe import set_mmap_threshold, snapshot
 from parts.optim import BF16Optimizer
 from parts.partition import (attach, full_state_dict, is_partitioned, load_full_state_dict, meta,
                              partitioned)
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     add("--batch-size", type=int, default=8, help="sequences per rank per step")
     add("--steps", type=int, default=150, help="optimizer steps in this run")
     add("--lr", type=float, default=3e-3)
-    add("--warmup", type=int, default=10)
+    add("--warmup", type=int, default=30)
     add("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     add("--eval-interval", type=int, default=50)
     add("--eval-batches", type=int, default=4)
@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
                           ("max-live-parameters", 1_000_000_000), ("persistence-threshold", 1_000)]:
         add(f"--{knob}", type=int, default=default, help="coordinator knob")
     add("--no-overlap-comm", dest="overlap_comm", action="store_false", help="coordinator knob")
+    add("--mmap-threshold", type=int, default=128 * 1024,
+        help="bytes: larger host allocations are mmapped, so freed shards leave RSS (0: glibc default)")
     return ap.parse_args()
 
 
@@ -136,6 +138,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if args.mmap_threshold:
+        set_mmap_threshold(args.mmap_threshold)
     model, coordinator, optimizer, schedule = build(args)
     train_tokens, val_tokens = load_splits(args.data)
     start = resume(args.out, model, optimizer, schedule) if args.resume else 0

@@ -234,6 +234,62 @@ def test_debug_mode_names_the_first_divergent_module():
     assert "blocks.1" in str(info.value) and "blocks.2" in str(info.value)
 
 
+SMALL = dict(persistence_threshold=600, prefetch_bucket_size=3000, reduce_bucket_size=0)
+
+
+def _debug_matches_normal(knobs: dict) -> tuple:
+    runs = []
+    for debug in (False, True):
+        _, model = make_pair(GPT)
+        losses, co = train_sharded(model, 3, PER_RANK, debug=debug, **knobs)
+        model.eval()
+        with torch.no_grad():  # an eval step in between: its own phase, agreed on by both ranks
+            model(*batch(9, PER_RANK, 0))
+        model.train()
+        model(*batch(3, PER_RANK, 0)).backward()
+        runs.append((losses, [s.detach().clone() for s in shards(model)], co.stats().trace_digest))
+    return runs
+
+
+@pytest.mark.parametrize("knobs", [{}, SMALL], ids=["defaults", "small-buckets"])
+def test_debug_mode_agrees_and_changes_nothing(knobs):
+    """Agreeing ranks pass every check (refresh after optimizer steps, prefetch, per-param
+    reduce-scatter, an eval step) and get bit-identical results with and without debug."""
+    for normal, debug in run(2, _debug_matches_normal, knobs, timeout=90):
+        assert normal[0] == debug[0] and normal[2] == debug[2]
+        assert all(torch.equal(a, b) for a, b in zip(normal[1], debug[1]))
+
+
+def _knobs_differ(knob: str) -> str:
+    """Rank 1 runs with another knob value: its collectives differ from rank 0's mid-step."""
+    from parts.partition import RankDivergence
+    rank, world = rank_info()
+    _, model = make_pair(GPT)
+    attach(model, debug=True, persistence_threshold=0, **({knob: 0} if rank == 1 else {}))
+    try:
+        for step in range(2):
+            model(*batch(step, PER_RANK, rank * PER_RANK)).backward()
+    except RankDivergence as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize("knob, fragments", [
+    # step 1 replays the trace: rank 0 prefetches after the root's fetch, rank 1 (no prefetch)
+    # goes on to fetch the next module
+    ("prefetch_bucket_size", ["ranks diverged at event 2: rank 0 is at a prefetch of",
+                              "rank 1 is at the forward of module 'wte' (event 2 of train step 1)"]),
+    # rank 1 reduce-scatters every grad as soon as it is complete, rank 0 buckets them
+    ("reduce_bucket_size", ["rank 1 is at a reduce-scatter of 1 gradients (event", "of train step 0)",
+                            "rank 0 is at the backward of module"]),
+])
+def test_debug_mode_catches_divergent_prefetch_and_reduce(knob, fragments):
+    messages = run(2, _knobs_differ, knob, timeout=60)
+    assert messages[0] == messages[1]
+    for fragment in fragments:
+        assert fragment in messages[0], messages[0]
+
+
 # ---------------------------------------------------------------- validation and detach
 def test_knobs_and_unsharded_models_are_rejected():
     with pytest.raises(ValueError, match="max_live_parameters"):

@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parts.partition.coordinator_debug import (KINDS, RECORD_LEN, DebugPoint, decode,
+                                               divergence_message, encode, ids_digest)
 from parts.partition.plan import (Knobs, build_plan, choose_evictions, collective_bytes,
                                   keep_after_use, next_use, prefetch_chunks, prefetch_targets,
                                   reuse_distance, select_persistent)
@@ -271,3 +273,43 @@ def test_digest_depends_on_names_and_order():
     assert trace_digest(e1, names) != trace_digest(e1, ["", "a", "c"])
     assert first_divergence(e1, e1) is None
     assert first_divergence(e1, e1[:1]) == 1
+
+
+# ------------------------------------------------------------- debug-mode fingerprints
+
+points_st = st.builds(DebugPoint, st.text(min_size=1, max_size=24).filter(lambda s: "\0" not in s
+                                                                           and len(s.encode()) <= 24),
+                      st.integers(-1, 10**6), st.integers(-1, 10**6), st.sampled_from(KINDS),
+                      st.integers(-1, 500), st.integers(0, 10**6), st.integers(0, (1 << 62) - 1))
+
+
+@SETTINGS
+@given(points_st)
+def test_debug_record_has_fixed_length_and_round_trips(point):
+    row = encode(point)
+    assert len(row) == RECORD_LEN and all(-(1 << 63) <= v < (1 << 63) for v in row)
+    assert decode(row) == point
+
+
+@SETTINGS
+@given(points_st, points_st)
+def test_debug_records_differ_when_points_differ(a, b):
+    assert (encode(a) == encode(b)) == (a == b)
+
+
+def test_ids_digest_is_order_sensitive_and_stable():
+    assert ids_digest([1, 2, 3]) == ids_digest([1, 2, 3]) != ids_digest([3, 2, 1])
+    assert ids_digest([12, 3]) != ids_digest([1, 23])
+
+
+def test_divergence_message_names_both_sides():
+    names = ["", "stem", "blocks.0", "blocks.1"]
+    message = divergence_message([DebugPoint("train", 3, 4, "F", 3),
+                                  DebugPoint("eval/no_grad", 0, 2, "prefetch", 2, count=5)], names)
+    assert "ranks diverged at event 2" in message
+    assert "rank 0 is at the forward of module 'blocks.1' (event 4 of train step 3)" in message
+    assert ("rank 1 is at a prefetch of 5 parameters for module 'blocks.0' "
+            "(event 2 of eval/no_grad step 0)") in message
+    refresh = divergence_message([DebugPoint("train", 1, 0, "start", count=0),
+                                  DebugPoint("train", 1, 0, "start", count=2, digest=7)], names)
+    assert "disagree on which persistent parameters changed" in refresh and "rank 1: 2" in refresh

@@ -130,3 +130,103 @@ def test_state_dict_contents_and_errors() -> None:
         s["params"][0]["shape"] = [9, 11]
     with pytest.raises(ValueError, match="'0.weight'"):
         opt.load_state_dict(bad)
+
+
+# ------------------------------------------------- strict names and dtypes (one process)
+def trained(shapes: dict) -> tuple[BF16Optimizer, dict]:
+    """AdamW over seeded bf16 params named by ``shapes``, after one step."""
+    torch.manual_seed(5)
+    named = {n: torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for n, s in shapes.items()}
+    opt = BF16Optimizer(torch.optim.AdamW(list(named.values()), lr=1e-2),
+                        named_parameters=named)
+    sum((p.float() ** 2).sum() for p in named.values()).backward()
+    opt.step()
+    opt.zero_grad()
+    return opt, named
+
+
+def local_snapshot(opt: BF16Optimizer, named: dict) -> dict:
+    return {f"{n}/{k}": (opt.full_fp32_param(p) if k is None else opt.full_state(p, k))
+            for n, p in named.items() for k in (None,) + KEYS}
+
+
+def fresh_a() -> tuple[BF16Optimizer, dict]:
+    """An untrained optimizer over one parameter 'a' (other values than ``trained``'s)."""
+    torch.manual_seed(6)
+    a = torch.nn.Parameter(torch.randn(5).to(torch.bfloat16))
+    return BF16Optimizer(torch.optim.AdamW([a], lr=1e-2), named_parameters=[("a", a)]), {"a": a}
+
+
+@pytest.mark.parametrize("consolidated", [False, True])
+def test_unexpected_saved_param_raises_unless_not_strict(consolidated: bool) -> None:
+    """'b' saved before 'a' (so 'a' sits at offset 3 of the saved group): strict raises
+    naming 'b' and leaves the target untouched; strict=False loads 'a' bitwise."""
+    saved, named = trained({"b": (3,), "a": (5,)})
+    sd = saved.consolidated_state_dict() if consolidated else saved.state_dict()
+    target, tnamed = fresh_a()
+    before = target.full_fp32_param(tnamed["a"])
+    with pytest.raises(ValueError, match=r"does not: \['b'\].*strict=False"):
+        target.load_state_dict(roundtrip(sd))
+    assert torch.equal(target.full_fp32_param(tnamed["a"]), before) and not target.state
+    target.load_state_dict(roundtrip(sd), strict=False)
+    want = local_snapshot(saved, {"a": named["a"]})
+    got = local_snapshot(target, tnamed)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _cast(sd: dict, key, dtype: torch.dtype) -> dict:
+    """``sd`` (consolidated) with the master (``key`` None) or state ``key`` of 'a' cast."""
+    sd = roundtrip(sd)
+    if key is None:
+        sd["master"]["a"] = sd["master"]["a"].to(dtype)
+    elif key in sd["state"]["a"]:
+        sd["state"]["a"][key] = sd["state"]["a"][key].to(dtype)
+    else:
+        sd["scalars"]["a"][key] = sd["scalars"]["a"][key].to(dtype)
+    return sd
+
+
+@pytest.mark.parametrize("key,dtype", [(None, torch.int64), ("exp_avg", torch.int32),
+                                       ("exp_avg_sq", torch.bool), ("step", torch.bool)])
+def test_non_floating_master_or_state_raises_naming_key_and_dtypes(key, dtype) -> None:
+    saved, _ = trained({"a": (5,)})
+    target, tnamed = fresh_a()
+    before = target.full_fp32_param(tnamed["a"])
+    what = "fp32 master" if key is None else f"state '{key}'"
+    with pytest.raises(ValueError, match=rf"parameter 'a': {what} is {dtype}"):
+        target.load_state_dict(_cast(saved.consolidated_state_dict(), key, dtype))
+    assert torch.equal(target.full_fp32_param(tnamed["a"]), before) and not target.state
+
+
+def test_rank_dict_dtype_error_names_the_group_params() -> None:
+    saved, _ = trained({"a": (5,)})
+    sd = roundtrip(saved.state_dict())
+    sd["groups"][0]["state"]["exp_avg"] = sd["groups"][0]["state"]["exp_avg"].to(torch.int64)
+    with pytest.raises(ValueError, match=r"param group 0 \('a'\) of saved rank 0: state 'exp_avg' "
+                                         r"is torch.int64, expected torch.float32"):
+        fresh_a()[0].load_state_dict(sd)
+
+
+def test_integer_step_and_bf16_state_load_and_train_on() -> None:
+    """An int64 step counter loads as saved and the next step equals the one from the float-step
+    checkpoint (the bias corrections read the same count); a bf16 exp_avg loads widened to fp32
+    (exact), equal to the saved values rounded to bf16."""
+    saved, _ = trained({"a": (5,)})
+    sd = saved.consolidated_state_dict()
+    after = []
+    for dtype in (torch.float32, torch.int64):
+        target, tnamed = fresh_a()
+        target.load_state_dict(_cast(sd, "step", dtype))
+        step = target.full_state(tnamed["a"], "step")
+        assert step.dtype == dtype and float(step) == 1.0
+        (tnamed["a"].float() ** 2).sum().backward()
+        target.step()
+        after.append(target.full_fp32_param(tnamed["a"]))
+    assert torch.equal(after[0], after[1])
+    target, tnamed = fresh_a()
+    target.load_state_dict(_cast(sd, "exp_avg", torch.bfloat16))
+    want = sd["state"]["a"]["exp_avg"].to(torch.bfloat16).float()
+    assert not torch.equal(want, sd["state"]["a"]["exp_avg"])  # the cast did change values
+    got = target.full_state(tnamed["a"], "exp_avg")
+    assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -140,6 +140,24 @@ def test_norm_group_without_this_rank_raises_naming_it() -> None:
     assert out[0] is None and "norm_groups[1] does not contain this process (global rank 1)" in out[1]
 
 
+def nonmember_group_body():
+    only0 = dist.new_group(ranks=[0])
+    if dist.get_rank() == 0:
+        return None
+    try:
+        sgd([nn.Parameter(torch.ones(3, dtype=torch.bfloat16))], group=only0)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_group_without_this_rank_raises_naming_it_and_the_group() -> None:
+    out = run(2, nonmember_group_body)
+    assert out[0] is None
+    assert "BF16Optimizer(group=...): rank 1 is not a member" in out[1], out[1]
+    assert "(global ranks [0])" in out[1], out[1]
+
+
 # ------------------------------------------------------------------ counted runs (pure)
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 90), st.booleans()), min_size=1, max_size=8),

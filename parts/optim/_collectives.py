@@ -13,8 +13,22 @@ from parts._compat import all_gather_flat, reduce_scatter_flat
 
 from .layout import BucketPiece
 
-__all__ = ["world_and_rank", "global_rank", "reduce_scatter_mean", "all_reduce_norm", "all_reduce_any",
-           "gather_buckets", "all_gather_partition", "all_reduce_mean"]
+__all__ = ["check_member", "world_and_rank", "global_rank", "reduce_scatter_mean", "all_reduce_norm",
+           "all_reduce_any", "gather_buckets", "all_gather_partition", "all_reduce_mean"]
+
+
+def check_member(group: Optional[Any], what: str) -> None:
+    """Raise ValueError naming this rank and ``group``'s ranks if this rank is not in ``group``."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0:
+        return
+    try:
+        ranks = f"global ranks {dist.get_process_group_ranks(group)}"
+    except Exception:  # noqa: BLE001 - a non-member may not see the group's ranks
+        ranks = "ranks unknown to this process"
+    raise ValueError(f"{what}: rank {dist.get_rank()} is not a member of the process group passed "
+                     f"({ranks}); only the ranks of a group may use it")
 
 
 def world_and_rank(group: Optional[Any]) -> tuple[int, int]:

@@ -52,6 +52,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                  replicated: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"BF16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        C.check_member(group, "BF16Optimizer(group=...)")
         self.norm_groups = tuple(norm_groups)
         check_options(clip_grad=clip_grad, norm_type=norm_type, step_chunk=step_chunk,
                       allgather_bucket_size=allgather_bucket_size,
@@ -347,6 +348,11 @@ class BF16Optimizer(torch.optim.Optimizer):
         """World-size-free full state on rank 0 (None elsewhere); a collective."""
         return ckpt.consolidated_state_dict(self)
 
-    def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
-        """Load a consolidated dict, or the list of every saved rank's dicts, at any world size."""
-        ckpt.load(self, state_dict)
+    def load_state_dict(self, state_dict: Any, strict: bool = True) -> None:  # type: ignore[override]
+        """Load a consolidated dict, or the list of every saved rank's dicts, at any world size.
+
+        Raises before changing anything if a model parameter is missing or has another shape,
+        if a saved master/state tensor is not floating point (``step`` counters may be integer),
+        or, with ``strict`` (the default), if the checkpoint has parameters the model lacks;
+        ``strict=False`` ignores those extra parameters (missing ones still raise)."""
+        ckpt.load(self, state_dict, strict)

@@ -16,6 +16,7 @@ import torch
 
 from . import _collectives as C
 from .layout import source_ranges
+from .load_checks import check_dtypes, check_names
 
 __all__ = ["rank_state_dict", "consolidated_state_dict", "load", "full_param_tensor",
            "full_grad_tensor", "flat_state", "set_flat_state"]
@@ -160,13 +161,10 @@ class _Reader:
         self.sds = {d.get("rank", 0): d for d in sds}  # only the saved ranks this rank reads
         self.meta = {m["name"]: m for m in self.first["params"]}
 
-    def check(self, name: str, shape: Sequence[int]) -> None:
-        """Raise if ``name`` is missing from the checkpoint or has another shape."""
-        if name not in self.meta:
-            raise KeyError(f"parameter {name!r} is not in the checkpoint")
-        if list(self.meta[name]["shape"]) != list(shape):
-            raise ValueError(f"parameter {name!r}: checkpoint shape {self.meta[name]['shape']}, "
-                             f"model shape {list(shape)}")
+    def check(self, model: dict[str, Sequence[int]], strict: bool) -> None:
+        """Raise before loading if names, shapes or dtypes do not fit ``model`` (name -> shape)."""
+        check_names({n: m["shape"] for n, m in self.meta.items()}, model, strict)
+        check_dtypes(self.sds.values())
 
     def _record(self, name: str, rank: int) -> dict:
         if rank not in self.sds:
@@ -208,6 +206,8 @@ def _fill(reader: _Reader, master: torch.Tensor, pieces: list[tuple[str, int, in
     elem = {k: torch.zeros_like(master) for k in keys}
     master.zero_()
     for name, e0, e1, off in pieces:
+        if e1 <= e0:  # this rank owns no element of the parameter (numel < world size)
+            continue
         master.narrow(0, off, e1 - e0).copy_(reader.read(name, None, e0, e1))
         for k in keys:
             elem[k].narrow(0, off, e1 - e0).copy_(reader.read(name, k, e0, e1))
@@ -215,23 +215,34 @@ def _fill(reader: _Reader, master: torch.Tensor, pieces: list[tuple[str, int, in
     return state
 
 
-def load(opt: Any, source: Any) -> None:
+def _model_shapes(opt: Any) -> dict[str, Sequence[int]]:
+    """Name -> shape of every parameter ``opt`` manages."""
+    out: dict[str, Sequence[int]] = {}
+    for g, fg in enumerate(opt.flat_groups):
+        if fg is not None:
+            out.update((name, p.shape) for p, name in zip(fg.params, fg.names))
+        out.update((s.name, s.shape) for s in opt.sharded_groups[g])
+    return out
+
+
+def load(opt: Any, source: Any, strict: bool = True) -> None:
     """Load a consolidated dict, or saved rank dicts (all, or at least those this rank's new
-    partition overlaps; at an unchanged world size, this rank's own), into ``opt``."""
+    partition overlaps; at an unchanged world size, this rank's own), into ``opt``.
+
+    Everything is checked first (names, shapes, dtypes; with ``strict`` also saved parameters
+    the model lacks), so a bad checkpoint raises before ``opt`` changes."""
     reader = _Reader(source)
     saved = reader.first["param_groups"]
     if len(saved) != len(opt.optimizer.param_groups):
         raise ValueError(f"checkpoint has {len(saved)} param groups, optimizer has "
                          f"{len(opt.optimizer.param_groups)}")
+    reader.check(_model_shapes(opt), strict)
     for g, fg in enumerate(opt.flat_groups):
         if fg is not None:
-            for p, name in zip(fg.params, fg.names):
-                reader.check(name, p.shape)
             pieces = [(fg.names[pc.index], pc.start, pc.stop, pc.offset)
                       for pc in fg.layout.pieces(opt.rank)]
             set_flat_state(opt.optimizer, fg, _fill(reader, fg.master, pieces, fg.names[0]))
         for s in opt.sharded_groups[g]:
-            reader.check(s.name, s.shape)
             start, stop = s.layout.range(opt.rank)
             _set_state(opt, s.master, _fill(reader, s.master, [(s.name, start, stop, 0)], s.name))
     for group, opts in zip(opt.optimizer.param_groups, saved):

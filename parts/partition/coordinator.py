@@ -33,8 +33,9 @@ gathered again, in one collective, so no stale full copy is ever used: one gathe
 per optimizer step, none for steps without an update (evaluation, accumulation).
 
 What all ranks must share: the same submodules run in the same order (every fetch and
-reduce-scatter is a collective). ``debug=True`` checks it before every fetch and raises
-``RankDivergence`` naming the first divergent module instead of hanging.
+reduce-scatter is a collective). ``debug=True`` makes the ranks agree on (phase, step,
+event, module) before every collective of a step (fetch, prefetch, refresh, reduce-scatter)
+and raises ``RankDivergence`` on every rank, naming what each rank was doing, instead of hanging.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch
 from torch import nn
 
 from parts.partition.coordinator_checks import check_group, check_sharded
-from parts.partition.coordinator_debug import RankDivergence, check_digest, check_event, check_refresh
+from parts.partition.coordinator_debug import RankDivergence
 from parts.partition.coordinator_fetch import FetchEngine, ModuleCall, StepState
 from parts.partition.coordinator_hooks import (ModuleHooks, in_backward, on_backward_end,
                                                register_pre_backward)
@@ -146,6 +147,7 @@ class FetchCoordinator(FetchEngine):
         self._sets_version = 0
         self._book = TraceBook()
         self._steps: dict[str, StepState] = {}
+        self._phase_steps: dict[str, int] = {}  # steps begun per phase (debug mode names them)
         self._plans: dict = {}
         self._stack: list[ModuleCall] = []
         self._uses: dict[int, int] = {}
@@ -202,6 +204,7 @@ class FetchCoordinator(FetchEngine):
             return
         self._add_external(call.index, pid)
         call.ids.append(pid)
+        self._check(self._steps.get(call.phase), "external", call.index, [pid])
         self._gather([pid], async_op=False)
         self._uses[pid] = self._uses.get(pid, 0) + 1
 
@@ -220,7 +223,9 @@ class FetchCoordinator(FetchEngine):
 
     def _begin_step(self, phase: str) -> None:
         self._book.begin(phase)
-        self._steps[phase] = StepState(phase)
+        number = self._phase_steps.get(phase, 0)
+        self._phase_steps[phase] = number + 1
+        self._steps[phase] = StepState(phase, number=number)
         self._refresh_persistent(phase)
 
     def _refresh_persistent(self, phase: str) -> None:
@@ -237,9 +242,7 @@ class FetchCoordinator(FetchEngine):
                 todo.append(pid)
             elif not self._uses.get(pid) and is_stale(m):
                 stale.append(pid)
-        if self.knobs.debug:
-            check_refresh(sorted(todo + stale), phase,
-                          {pid: self._recs[pid].name for pid in todo + stale}, self._group())
+        self._check(self._steps[phase], "start", ids=sorted(todo + stale))
         if stale:
             release([self._by_id[pid] for pid in stale])
             todo = sorted(todo + stale)
@@ -251,9 +254,7 @@ class FetchCoordinator(FetchEngine):
         step = self._steps.pop(phase)
         record = self._book.end(phase)
         digest = trace_digest(record.events, self._names)
-        if self.knobs.debug:
-            check_event(step.seq, "end", 0, phase, self._names, self._group())
-            check_digest(digest, phase, self._group())
+        self._check(step, "end", digest=int(digest, 16))
         idle = [pid for pid in self._live if not self._uses.get(pid)]
         self._release_ids(idle)
         self._prefetched.clear()
@@ -360,7 +361,7 @@ class FetchCoordinator(FetchEngine):
             self._pending.append(p)
             self._pending_numel += self._sizes[pid]
             if self._pending_numel >= self.knobs.reduce_bucket_size:
-                self._reduce()
+                self._reduce(self._bwd_phase)
 
     def _end_backward(self) -> None:
         phase, self._bwd_phase = self._bwd_phase, None
@@ -368,19 +369,20 @@ class FetchCoordinator(FetchEngine):
             return
         pending = {id(p) for p in self._pending}  # + grads no hook announced (e.g. unfrozen later)
         self._pending += [p for p in self._by_id.values() if p.grad is not None and id(p) not in pending]
-        self._reduce()
+        self._reduce(phase)
         for pid, held in self._bwd_uses.items():
             self._uses[pid] -= held
         self._bwd_uses.clear()
         if phase in self._steps:
             self._end_step(phase)
 
-    def _reduce(self) -> None:
+    def _reduce(self, phase: Optional[str]) -> None:
         """Reduce-scatter the pending full grads (one coalesced collective) into the grad shards."""
         params = [p for p in self._pending if p.grad is not None]
         self._pending, self._pending_numel = [], 0
         if not params:
             return
+        self._check(self._steps.get(phase), "reduce", ids=[self._pids[id(p)] for p in params])
         self._counters.reduce_scatter_calls += 1
         for p in params:
             m = self._recs[self._pids[id(p)]]

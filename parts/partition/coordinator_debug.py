@@ -1,15 +1,21 @@
-"""Debug mode of the fetch coordinator: check that every rank runs the same submodule sequence.
+"""Debug mode of the fetch coordinator: check that every rank runs the same collective sequence.
 
 Every collective needs all ranks to call it in the same order; a rank that runs a submodule
-the others skip hangs them all. With ``debug=True`` the coordinator exchanges a fingerprint
-``(event number, kind, module index)`` before every fetch and at the end of every step, and
-the trace digest at the end of every step, and raises on every rank with the first divergent
-module's name instead of hanging in a mismatched collective. Costs one small all-gather per
-event: a debugging aid, not for production runs.
+the others skip, or evaluates while the others train, hangs them all (or, with gloo, aborts
+in a collective whose sizes do not match). With ``debug=True`` the coordinator first
+agrees with the other ranks on a ``DebugPoint`` before every collective it may issue in a
+step: the step start (persistent-params refresh), every fetch, every prefetch all-gather,
+every external-parameter fetch, every grad reduce-scatter and the step end (with the trace
+digest). The point is exchanged as a fixed-length int64 record (the same size on every
+rank, whatever the rank is doing), so ranks at different points always meet in that
+exchange and raise ``RankDivergence`` on every rank, naming what each rank was doing. Costs
+one small all-gather per point: a debugging aid, not for production runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -17,14 +23,97 @@ import torch.distributed as dist
 
 from parts._compat import all_gather_flat
 
-__all__ = ["RankDivergence", "exchange", "check_event", "check_digest", "check_refresh"]
+__all__ = ["RankDivergence", "DebugPoint", "encode", "decode", "divergence_message", "ids_digest",
+           "exchange", "check_point"]
 
-_KINDS = {"F": 0, "B": 1, "end": 2}
-_NAMES = {v: k for k, v in _KINDS.items()}
+KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end")
+_PHASE_WORDS = 3  # the phase name travels as 24 UTF-8 bytes (longer names are cut)
+RECORD_LEN = _PHASE_WORDS + 6
+_MASK = (1 << 62) - 1
 
 
 class RankDivergence(RuntimeError):
     """Ranks ran different submodule sequences (they would deadlock in a collective)."""
+
+
+@dataclass(frozen=True)
+class DebugPoint:
+    """Where a rank is: phase, its step number in that phase, event number, what it does."""
+
+    phase: str
+    step: int
+    seq: int
+    kind: str
+    module: int = -1  # index into the coordinator's module names (-1: none)
+    count: int = 0  # parameters / gradients in the collective
+    digest: int = 0  # of the params' ids (or of the step trace at "end")
+
+
+def ids_digest(ids: Sequence[int]) -> int:
+    """A 62-bit digest of a sequence of ints, the same in every process."""
+    raw = hashlib.blake2b(",".join(map(str, ids)).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") & _MASK
+
+
+def encode(point: DebugPoint) -> list[int]:
+    """The fixed-length (``RECORD_LEN``) int record of ``point``."""
+    name = point.phase.encode()[:8 * _PHASE_WORDS].ljust(8 * _PHASE_WORDS, b"\0")
+    words = [int.from_bytes(name[8 * k:8 * k + 8], "little", signed=True) for k in range(_PHASE_WORDS)]
+    return words + [point.step, point.seq, KINDS.index(point.kind), point.module,
+                    point.count, point.digest & _MASK]
+
+
+def decode(row: Sequence[int]) -> DebugPoint:
+    """Inverse of ``encode``."""
+    name = b"".join(int(w).to_bytes(8, "little", signed=True) for w in row[:_PHASE_WORDS])
+    step, seq, kind, module, count, digest = (int(v) for v in row[_PHASE_WORDS:])
+    kind_name = KINDS[kind] if 0 <= kind < len(KINDS) else "?"
+    return DebugPoint(name.rstrip(b"\0").decode(errors="replace"), step, seq, kind_name, module,
+                      count, digest)
+
+
+def _module(point: DebugPoint, names: Sequence[str]) -> str:
+    name = names[point.module] if 0 <= point.module < len(names) else f"#{point.module}"
+    return f"'{name or '<root>'}'"
+
+
+def describe(point: DebugPoint, names: Sequence[str]) -> str:
+    """What a rank at ``point`` is doing, e.g. ``the forward of module 'blocks.2' (event 5 of train step 1)``."""
+    what = {
+        "start": f"the start of its step, re-gathering {point.count} persistent parameters",
+        "F": f"the forward of module {_module(point, names)}",
+        "B": f"the backward of module {_module(point, names)}",
+        "prefetch": f"a prefetch of {point.count} parameters for module {_module(point, names)}",
+        "external": f"a fetch of an external parameter in module {_module(point, names)}",
+        "reduce": f"a reduce-scatter of {point.count} gradients",
+        "end": "the end of its step",
+    }.get(point.kind, f"an unknown event {point.kind!r}")
+    return f"{what} (event {point.seq} of {point.phase} step {point.step})"
+
+
+def _same_place(points: Sequence[DebugPoint]) -> bool:
+    first = points[0]
+    return all((p.phase, p.step, p.seq, p.kind) == (first.phase, first.step, first.seq, first.kind)
+               for p in points)
+
+
+def divergence_message(points: Sequence[DebugPoint], names: Sequence[str]) -> str:
+    """The ``RankDivergence`` message for the decoded points of all ranks (rank order)."""
+    head = "FetchCoordinator(debug=True): "
+    if _same_place(points) and points[0].kind == "start":
+        counts = ", ".join(f"rank {r}: {p.count}" for r, p in enumerate(points))
+        return (head + f"at the start of {points[0].phase} step {points[0].step} the ranks disagree "
+                f"on which persistent parameters changed since they were gathered ({counts}). Every "
+                "rank must step (or load) its shards of the same parameters, e.g. one optimizer "
+                "step on every rank.")
+    if _same_place(points) and points[0].kind == "end":
+        return (head + f"the {points[0].phase} step {points[0].step} trace digest differs across "
+                f"ranks: {[hex(p.digest) for p in points]}")
+    lines = [f"rank {r} is at {describe(p, names)}" for r, p in enumerate(points)]
+    return (head + f"ranks diverged at event {min(p.seq for p in points)}: " + "; ".join(lines)
+            + ". All ranks must run the same submodules in the same order and phase (every fetch "
+            "is a collective); make data-dependent branches and train/eval switches agree across "
+            "ranks.")
 
 
 def exchange(values: Sequence[int], group: Any) -> list[list[int]]:
@@ -38,45 +127,9 @@ def exchange(values: Sequence[int], group: Any) -> list[list[int]]:
     return out.view(world, -1).tolist()
 
 
-def _describe(row: list[int], names: Sequence[str]) -> str:
-    kind = _NAMES.get(row[1], "?")
-    if kind == "end":
-        return "the end of its step"
-    what = "forward" if kind == "F" else "backward"
-    name = names[row[2]] if 0 <= row[2] < len(names) else f"#{row[2]}"
-    return f"the {what} of module '{name or '<root>'}'"
-
-
-def check_event(seq: int, kind: str, index: int, phase: str, names: Sequence[str], group: Any) -> None:
-    """Raise ``RankDivergence`` unless every rank is at the same event ``seq`` of the step."""
-    rows = exchange([seq, _KINDS[kind], index], group)
+def check_point(point: DebugPoint, names: Sequence[str], group: Any) -> None:
+    """Raise ``RankDivergence`` on every rank unless all ranks of ``group`` are at ``point``."""
+    rows = exchange(encode(point), group)
     if all(row == rows[0] for row in rows):
         return
-    lines = [f"rank {r} is at {_describe(row, names)}" for r, row in enumerate(rows)]
-    raise RankDivergence(
-        f"FetchCoordinator(debug=True): ranks diverged at event {seq} of the {phase!r} step: "
-        + "; ".join(lines) + ". All ranks must run the same submodules in the same order "
-        "(every fetch is a collective); make data-dependent branches agree across ranks.")
-
-
-def check_digest(digest: str, phase: str, group: Any) -> None:
-    """Raise ``RankDivergence`` unless every rank recorded the same trace digest for the step."""
-    value = int(digest, 16) & ((1 << 62) - 1)
-    rows = exchange([value], group)
-    if any(row != rows[0] for row in rows):
-        raise RankDivergence(f"FetchCoordinator(debug=True): the {phase!r} step trace digest "
-                             f"differs across ranks: {[hex(r[0]) for r in rows]}")
-
-
-def check_refresh(ids: Sequence[int], phase: str, names: dict, group: Any) -> None:
-    """Raise ``RankDivergence`` unless every rank re-gathers the same persistent params (by id)."""
-    rows = exchange([len(ids), sum(ids), sum(i * i for i in ids) & ((1 << 62) - 1)], group)
-    if all(row == rows[0] for row in rows):
-        return
-    counts = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
-    example = names.get(ids[0], "?") if ids else "none"
-    raise RankDivergence(
-        f"FetchCoordinator(debug=True): at the start of the {phase!r} step the ranks disagree on "
-        f"which persistent parameters changed since they were gathered ({counts}; this rank: "
-        f"{len(ids)}, e.g. '{example}'). Every rank must step (or load) its shards of the same "
-        "parameters, e.g. one optimizer step on every rank.")
+    raise RankDivergence(divergence_message([decode(row) for row in rows], names))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from parts.partition.coordinator_debug import check_event
+from parts.partition.coordinator_debug import DebugPoint, check_point, ids_digest
 from parts.partition.gather import gather, release
 from parts.partition.param import ParamStatus
 from parts.partition.plan import (StepPlan, build_plan, choose_evictions, collective_bytes,
@@ -47,8 +47,9 @@ class StepState:
     events: tuple = ()
     horizon: Optional[int] = None  # first trace position whose params prefetch has not covered
     recheck: set = field(default_factory=set)  # released ids needed again before the horizon
-    seq: int = 0
+    seq: int = 0  # debug mode: number of the next checked event of the step
     pending_backward: bool = False
+    number: int = 0  # this step's index among the steps of its phase (0, 1, ...)
 
 
 class FetchEngine:
@@ -59,12 +60,10 @@ class FetchEngine:
     def _fetch(self, call: ModuleCall, kind: str) -> None:
         step = self._steps[call.phase]
         obs = self._book.observe(call.phase, (kind, call.index))
-        step.seq += 1
         step.position = obs.position
         if obs.trace is not None:
             self._use_plan(step, obs.trace)
-        if self.knobs.debug:
-            check_event(step.seq, kind, call.index, call.phase, self._names, self._group())
+        self._check(step, kind, call.index)
         own = set(call.ids)
         self._make_room(own, step)
         self._count_fetch(call.ids)
@@ -73,6 +72,19 @@ class FetchEngine:
             self._uses[pid] = self._uses.get(pid, 0) + 1
         if step.position is not None and step.plan is not None:
             self._prefetch(step)
+
+    def _check(self, step: Optional[StepState], kind: str, module: int = -1, ids: Iterable[int] = (),
+               digest: Optional[int] = None) -> None:
+        """Debug mode: agree with every rank on (phase, step, event, kind, module, ids) first."""
+        if not self.knobs.debug:
+            return
+        ids = list(ids)
+        if step is None:  # no step in progress (cannot happen when the ranks agree)
+            step = StepState("?", number=-1, seq=-1)
+        point = DebugPoint(step.phase, step.number, step.seq, kind, module, len(ids),
+                           ids_digest(ids) if digest is None else digest)
+        step.seq += 1
+        check_point(point, self._names, self._group())
 
     def _use_plan(self, step: StepState, trace: Any) -> None:
         key = (id(trace), self._sets_version)
@@ -152,7 +164,9 @@ class FetchEngine:
         self._prefetched.update(ids)
         positions = [next_use(step.plan, pid, step.position) for pid in ids]
         for chunk in prefetch_chunks(ids, positions, self._sizes, _MIN_CHUNK):
-            kinds = [step.events[next_use(step.plan, pid, step.position)][0] for pid in chunk]
+            uses = [step.events[next_use(step.plan, pid, step.position)] for pid in chunk]
+            kinds = [kind for kind, _ in uses]
+            self._check(step, "prefetch", uses[0][1], chunk)
             self._gather(list(chunk), self.knobs.overlap_comm, kinds)
 
     def _recheck(self, step: StepState, resident: Any) -> list:
