@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     add("--n-embd", type=int, default=96)
     add("--seq-len", type=int, default=64)
     add("--batch-size", type=int, default=8, help="sequences per rank per step")
-    add("--steps", type=int, default=150, help="optimizer steps in this run")
+    add("--steps", type=int, default=220, help="optimizer steps in this run")
     add("--lr", type=float, default=3e-3)
     add("--warmup", type=int, default=30)
     add("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
