@@ -15,12 +15,13 @@ class Progress:
         self.started = time.perf_counter()
 
     def update(self, step: int, **fields: str) -> None:
-        if not self.enabled:
-            return
+        tty = sys.stdout.isatty()
+        if not self.enabled or (not tty and step % 10 and step != self.total):
+            return  # in a log file, one line every 10 steps
         done = int(self.width * step / max(self.total, 1))
         bar = "#" * done + "." * (self.width - done)
         text = "  ".join(f"{key} {value}" for key, value in fields.items())
-        end = "\n" if step == self.total or not sys.stdout.isatty() else ""
+        end = "\n" if step == self.total or not tty else ""
         print(f"\r[{bar}] {step}/{self.total}  {text}", end=end, flush=True)
 
     def note(self, message: str) -> None:
