@@ -207,7 +207,7 @@ def _apply_threshold(num_bytes):
 
 
 def test_mmap_threshold_is_applied_on_glibc():
-    """mallopt accepts it (its RSS effect is measured in benchmarks/bench_train.py, not here:
+    """mallopt accepts it (its RSS effect is measured in benchmarks/bench_zero3.py, not here:
     whether glibc keeps a freed block depends on allocation order, too fragile for a test)."""
     import parts.observe as observe
     if observe.allocator._libc() is None:

@@ -1,7 +1,7 @@
 """Training step time, peak memory and communication: parts ZeRO-3 vs FSDP2 vs DDP, side by side.
 
-    python benchmarks/bench_train.py                      # 25.4M-param GPT, fp32, world 2
-    python benchmarks/bench_train.py --n-embd 256 --steps 6   # quicker
+    python benchmarks/bench_zero3.py                      # 25.4M-param GPT, fp32, world 2
+    python benchmarks/bench_zero3.py --n-embd 256 --steps 6   # quicker
 
 Every system trains the same GPT (recipes/gpt_model.py) from the same seed on the same
 batches, AdamW, fp32, in fresh processes (so peak RSS is each system's own), one system
