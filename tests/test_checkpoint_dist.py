@@ -18,16 +18,7 @@ from parts.checkpoint import CheckpointPolicy, ContiguousBuffers, checkpoint, se
 from parts.partition import ShardLayout
 from test_checkpoint import CASES, MLP, assert_all_equal, case_grads, \
     live_bytes_between_forward_and_backward
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny ops: one intra-op thread, as in the harness workers (OpenMP spin-waits on a busy
-    2-core machine made this file 15x slower); restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from test_checkpoint import _one_thread  # noqa: F401 - the same autouse fixture here
 
 
 def _policy(kind: str, group):
