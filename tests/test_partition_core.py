@@ -72,11 +72,25 @@ def body_roundtrip(specs, seed, poison):
             assert p.shape == r.shape and p.dtype == r.dtype and torch.equal(p.data, r.data), meta(p).name
         gather(params)
         assert comm_counter.allgather_calls == before + 1  # AVAILABLE: no communication
+        _free_and_refill(params, list(ref.parameters()))
         release(params)
         for p in params:
             assert p.data.numel() == 0 and p.untyped_storage().nbytes() == 0
             assert meta(p).status is ParamStatus.NOT_AVAILABLE
     return out
+
+
+def _free_and_refill(params, refs):
+    """release(free_storage=True) empties the full storages; gather refills those same storages."""
+    fulls = [p.data for p in params]
+    release(params, free_storage=True)
+    for p, full in zip(params, fulls):
+        assert p.data.numel() == 0 and full.untyped_storage().nbytes() == 0, meta(p).name
+    gather(params)
+    for p, r, full in zip(params, refs, fulls):
+        if r.numel():  # the same storage, refilled with the gathered values
+            assert p.data.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+        assert torch.equal(full, r.data) and torch.equal(p.data, r.data), meta(p).name
 
 
 @settings(max_examples=25, deadline=None)
@@ -89,6 +103,38 @@ def test_shard_gather_roundtrip(world, specs, seed, poison):
         padded = torch.zeros_like(cat)
         padded[:flat.numel()] = flat
         assert torch.equal(cat, padded), (i, specs[i])  # concatenated shards == padded flat
+
+
+# ------------------------------------------------------------- freed storage and autograd
+def body_saved_views():
+    """F.linear saves a view of the weight; freeing the storage frees it, re-gathering restores it."""
+    torch.manual_seed(3)
+    ref = nn.Linear(32, 16)
+    torch.manual_seed(3)
+    lin = partition_module(nn.Linear(32, 16))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+    ref(x).square().sum().backward()
+    ref_x_grad, x.grad = x.grad, None
+    gather(lin.parameters())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = lin(x).square().sum()
+    weight_view = next(t for t in saved if t.shape == (32, 16))  # weight.t()
+    release(lin.parameters(), free_storage=True)
+    assert weight_view.untyped_storage().nbytes() == 0  # the graph holds no full weight now
+    with pytest.raises(RuntimeError, match="storage of size 0"):
+        out.backward(retain_graph=True)  # never computes with a released weight
+    gather(lin.parameters())
+    out.backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad) and torch.equal(lin.bias.grad, ref.bias.grad)
+    assert torch.equal(x.grad, ref_x_grad)
+    release(lin.parameters(), free_storage=True)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_free_storage_keeps_saved_views_correct(world):
+    assert run(world, body_saved_views) == [True] * world
 
 
 # --------------------------------------------------------------------- reduce_scatter_grads

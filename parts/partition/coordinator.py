@@ -244,7 +244,7 @@ class FetchCoordinator(FetchEngine):
                 stale.append(pid)
         self._check(self._steps[phase], "start", ids=sorted(todo + stale))
         if stale:
-            release([self._by_id[pid] for pid in stale])
+            release([self._by_id[pid] for pid in stale], free_storage=True)
             todo = sorted(todo + stale)
         if todo:
             self._counters.persistent_gathers += len(todo)

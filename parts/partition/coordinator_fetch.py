@@ -226,4 +226,4 @@ class FetchEngine:
                 if step is not None and step.horizon is not None:
                     step.recheck.add(pid)
         if params:
-            release(params)
+            release(params, free_storage=True)

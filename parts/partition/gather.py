@@ -92,12 +92,27 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool) -> GatherHandle:
     work = all_gather(recv, send, info, async_op=async_op)
 
     def unpack() -> None:
-        fulls = [alloc(m.numel, m.dtype, m.device) for _, m in pairs]
-        csrc.copy_out(recv, [_as_units(f, unit) for f in fulls], info.world_size, offsets, sizes)
-        for (p, m), full in zip(pairs, fulls):
-            p.data = full.view(m.shape)
+        fulls = [_full_for(m) for _, m in pairs]
+        csrc.copy_out(recv, [_as_units(flat, unit) for _, flat in fulls], info.world_size, offsets, sizes)
+        for (p, m), (full, _) in zip(pairs, fulls):
+            p.data = full
+            m.full_ptr = full.untyped_storage().data_ptr()
 
     return GatherHandle(pairs, work, unpack)
+
+
+def _full_for(m: ParamMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full tensor to fill for ``m`` (its freed storage refilled, else fresh) and a 1-D alias."""
+    kept, m.shrunk = m.shrunk, None
+    if kept is None:
+        flat = alloc(m.numel, m.dtype, m.device)
+        return flat.view(m.shape), flat
+    storage = kept.untyped_storage()
+    storage.resize_(m.numel * m.dtype.itemsize)
+    # A separate tensor on the same storage: writing through it leaves the version counter
+    # of the views autograd saved from ``kept`` untouched (they must see the new values).
+    alias = torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (m.numel,))
+    return kept, alias
 
 
 @internal
@@ -121,10 +136,26 @@ def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = F
 
 
 @internal
-def release(params: Iterable[nn.Parameter]) -> None:
-    """Free the full storage of ``params`` (status NOT_AVAILABLE); waits an in-flight gather first."""
+def release(params: Iterable[nn.Parameter], free_storage: bool = False) -> None:
+    """Drop the full tensors of ``params`` (status NOT_AVAILABLE); waits an in-flight gather first.
+
+    With ``free_storage`` the full tensor's storage is also resized to 0 bytes (and refilled
+    by the next ``gather``), so views autograd saved in forward hold no memory meanwhile;
+    a backward through such a view must gather the parameter first (the coordinator does).
+    """
     for p, m in metas_sorted(params):
         if m.status is ParamStatus.INFLIGHT and m.handle is not None:
             m.handle.wait()
+        if m.status is ParamStatus.NOT_AVAILABLE:
+            continue
+        if free_storage and _owns_storage(p.data, m):
+            m.shrunk = p.data
+            p.data.untyped_storage().resize_(0)
         p.data = empty_like_released(m.dtype, m.device)
         m.status, m.handle = ParamStatus.NOT_AVAILABLE, None
+
+
+def _owns_storage(data: torch.Tensor, m: ParamMeta) -> bool:
+    """True if ``data`` is the full tensor ``gather`` made for ``m`` (nobody else's storage)."""
+    return (m.numel > 0 and data.shape == m.shape and data.untyped_storage().data_ptr() == m.full_ptr
+            and data.storage_offset() == 0 and data.is_contiguous())

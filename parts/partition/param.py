@@ -18,6 +18,13 @@ queries (memory accounting), hooks, ``requires_grad_``, ``hash``; ``copy.deepcop
 pickling raise instead of copying an empty tensor. Escape hatch: ``p.data`` is the plain
 (empty) tensor, as library code needs.
 
+Freed storage. ``release(..., free_storage=True)`` (what the coordinator does) also
+resizes the storage of the full tensor to 0 bytes and keeps the tensor on the record
+(``shrunk``); the next ``gather`` resizes that same storage back and fills it. Views of
+the full tensor that autograd saved in forward (``weight.t()`` of ``F.linear``) therefore
+hold no memory while the parameter is released, and see the re-gathered values in
+backward; used before that, they raise (a storage of size 0), never read stale data.
+
 Freshness. ``full_version`` is the shard's version (``shard_version``) when the full
 tensor was gathered; ``is_stale`` says the shard changed since (an optimizer stepped it
 while the parameter stayed gathered), and ``gather`` fetches such a parameter again.
@@ -73,6 +80,9 @@ class ParamMeta:
     full_version: Any = field(default=None, repr=False)  # shard_version() of the gathered full tensor
     _owner: Any = field(default=None, repr=False)  # weakref to the parameter (set by attach_meta)
     _cls: Optional[type] = field(default=None, repr=False)  # its class while AVAILABLE (None: unguarded)
+    full_ptr: int = 0  # data_ptr of the storage ``gather`` filled (0: none)
+    shrunk: Optional[torch.Tensor] = field(default=None, repr=False)  # full tensor whose storage
+    # ``release(free_storage=True)`` resized to 0; the next gather refills that very storage
 
     @property
     def status(self) -> ParamStatus:
