@@ -144,7 +144,7 @@ def _int_grads(specs, seed, step, rank):
     return [torch.randint(-8, 9, shape, generator=g).to(DTYPES[dt]) for shape, dt in specs]
 
 
-def body_reduce_scatter(specs, seed, steps, average, poison):
+def body_reduce_scatter(specs, seed, steps, average, poison, async_op):
     rank, world = dist.get_rank(), dist.get_world_size()
     with poisoned() if poison else contextlib.nullcontext():
         bag = partition_module(Bag(specs, seed))
@@ -166,7 +166,11 @@ def body_reduce_scatter(specs, seed, steps, average, poison):
             p.grad = g.clone()
         before = comm_counter.reduce_scatter_calls
         with poisoned() if poison else contextlib.nullcontext():
-            reduce_scatter_grads(params, average=average)
+            handle = reduce_scatter_grads(params, average=average, async_op=async_op)
+        if async_op:  # the grads are packed and freed at once; the shards change on wait()
+            assert all(p.grad is None for p in params)
+            handle.wait()
+            handle.wait()  # idempotent
         assert comm_counter.reduce_scatter_calls == before + 1
         assert all(p.grad is None for p in params)
     for p, e in zip(params, expected):
@@ -177,9 +181,9 @@ def body_reduce_scatter(specs, seed, steps, average, poison):
 
 @settings(max_examples=20, deadline=None)
 @given(world=st.integers(1, 4), specs=SPECS, seed=st.integers(0, 2**10), steps=st.integers(1, 4),
-       average=st.booleans(), poison=st.booleans())
-def test_reduce_scatter_equals_allreduce_then_slice(world, specs, seed, steps, average, poison):
-    assert all(run(world, body_reduce_scatter, specs, seed, steps, average, poison))
+       average=st.booleans(), poison=st.booleans(), async_op=st.booleans())
+def test_reduce_scatter_equals_allreduce_then_slice(world, specs, seed, steps, average, poison, async_op):
+    assert all(run(world, body_reduce_scatter, specs, seed, steps, average, poison, async_op))
 
 
 def body_accumulate_false():

@@ -110,14 +110,14 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, async_op: 
     return all_gather_flat(out, inp, group=info.group, async_op=async_op)
 
 
-def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo) -> None:
-    """Sum ``inp`` (world_size equal chunks) over ranks; this rank's chunk lands in ``out``."""
+def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, async_op: bool = False) -> Any:
+    """Sum ``inp`` (world_size equal chunks) over ranks into ``out``; a work handle if ``async_op``."""
     comm_counter.reduce_scatter_calls += 1
     comm_counter.reduce_scatter_bytes += inp.numel() * inp.element_size()
     if info.world_size == 1:
         out.copy_(inp)
-        return
-    reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=info.group)
+        return Work() if async_op else None
+    return reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=info.group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:

@@ -10,7 +10,9 @@ uses others' (external parameters), plus the root:
 * grads are reduce-scattered into fp32 grad shards once per backward, after a parameter's
   last use (``register_post_accumulate_grad_hook``: tied weights once, never early),
   accumulating across micro-batches; complete grads wait in a bucket until it holds
-  ``reduce_bucket_size`` elements (0: each alone), then go in one coalesced collective;
+  ``reduce_bucket_size`` elements (0: each alone), then go in one coalesced collective
+  (async with ``overlap_comm``: it runs while backward computes the next bucket; every
+  bucket has landed in the grad shards when ``backward()`` returns);
 * the first step of each phase (``train``, ``eval/no_grad``, ...) records the submodule order;
   later steps prefetch ahead along it with async gathers. A step that leaves the trace (a
   skipped block, another branch) fetches on demand from there on and becomes the new trace
@@ -110,6 +112,7 @@ class FetchCoordinator(FetchEngine):
         if self._stack:
             raise RuntimeError("FetchCoordinator.detach: called inside a forward (modules "
                                f"{[self._names[c.index] for c in self._stack]} are running)")
+        self._wait_reduces()
         for hooks in self._hooks.values():
             hooks.remove()
         for handle in self._grad_hooks:
@@ -158,6 +161,7 @@ class FetchCoordinator(FetchEngine):
         self._pass_gathers: dict[tuple, int] = {}
         self._fwd_no = self._bwd_no = 0
         self._pending: list = []  # params whose full grad is complete, awaiting reduce-scatter
+        self._reducing: list = []  # reduce-scatters in flight (overlap_comm)
         self._pending_numel = 0
         self._bwd_phase: Optional[str] = None
         self._counters = StepCounters()
@@ -370,6 +374,7 @@ class FetchCoordinator(FetchEngine):
         pending = {id(p) for p in self._pending}  # + grads no hook announced (e.g. unfrozen later)
         self._pending += [p for p in self._by_id.values() if p.grad is not None and id(p) not in pending]
         self._reduce(phase)
+        self._wait_reduces()  # the grad shards are complete when backward returns
         for pid, held in self._bwd_uses.items():
             self._uses[pid] -= held
         self._bwd_uses.clear()
@@ -388,7 +393,16 @@ class FetchCoordinator(FetchEngine):
             m = self._recs[self._pids[id(p)]]
             self._counters.reduce_scatter_bytes += collective_bytes(
                 m.layout.shard_numel, m.world_size, _REDUCE_ITEMSIZE)
-        reduce_scatter_grads(params, self.group)
+        handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm)
+        self._wait_reduces()  # the previous bucket: at most two buckets in flight
+        if handle is not None:
+            self._reducing.append(handle)
+
+    def _wait_reduces(self) -> None:
+        """Finish the reduce-scatters in flight (their slices land in the grad shards)."""
+        reducing, self._reducing = self._reducing, []
+        for handle in reducing:
+            handle.wait()
 
 def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
     """Hook ``module`` (already sharded) so plain ``model(x); loss.backward()`` runs ZeRO-3."""

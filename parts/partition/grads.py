@@ -17,7 +17,7 @@ for shards that are not fp32 and names ``BF16Optimizer`` (fp32 master weights).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from torch import nn
 from parts.partition._collectives import reduce_scatter_sum
 from parts.partition.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
-__all__ = ["reduce_scatter_grads", "shards"]
+__all__ = ["ReduceHandle", "reduce_scatter_grads", "shards"]
 
 _FULL_PRECISION = (torch.float32,)
 
@@ -59,24 +59,69 @@ def _scatter_into_rows(block: torch.Tensor, grad: torch.Tensor, n: int) -> None:
         block[full_rows + 1:].zero_()
 
 
+class ReduceHandle:
+    """A pending ``reduce_scatter_grads``: ``wait()`` adds the reduced slices into the grad shards."""
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self._work, self._finish = work, finish
+
+    @property
+    def done(self) -> bool:
+        """True once ``wait()`` has completed."""
+        return self._work is None
+
+    @internal
+    def wait(self) -> None:
+        """Wait for the collective, then accumulate (idempotent)."""
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        work.wait()
+        self._finish()
+
+
 @internal
 def reduce_scatter_grads(params: Iterable[nn.Parameter], group: Any = None, *, accumulate: bool = True,
-                         dtype: torch.dtype = torch.float32, average: bool = True) -> None:
-    """Reduce-scatter the full ``p.grad`` of ``params`` into their grad shards (sum or mean), freeing ``p.grad``."""
+                         dtype: torch.dtype = torch.float32, average: bool = True,
+                         async_op: bool = False) -> Optional[ReduceHandle]:
+    """Reduce-scatter the full ``p.grad`` of ``params`` into their grad shards (sum or mean), freeing ``p.grad``.
+
+    The grads are copied into the send buffer and freed at once; with ``async_op`` the
+    grad shards are updated only by the returned handle's ``wait()``.
+    """
     pairs = [(p, m) for p, m in metas_sorted(params) if p.grad is not None]
     info = common_info(pairs, group, "reduce_scatter_grads")
     if not pairs:
-        return
+        return ReduceHandle(None, lambda: None) if async_op else None
     send, offsets, chunk = _send_buffer(pairs, dtype, info.world_size)
-    recv = alloc(chunk, dtype, send.device)
-    reduce_scatter_sum(recv, send, info)
-    del send
-    if average and info.world_size > 1:
-        recv.div_(info.world_size)
-    for (p, m), off in zip(pairs, offsets):
-        part = recv[off:off + m.layout.shard_numel]
-        _accumulate(m, part, dtype, accumulate)
+    for p, _ in pairs:
         p.grad = None
+    recv = alloc(chunk, dtype, send.device)
+    work = reduce_scatter_sum(recv, send, info, async_op=async_op)
+
+    def finish() -> None:
+        if average and info.world_size > 1:
+            recv.div_(info.world_size)
+        for (_, m), off in zip(pairs, offsets):
+            _accumulate(m, recv[off:off + m.layout.shard_numel], dtype, accumulate)
+
+    if not async_op:
+        del send
+        finish()
+        return None
+    return ReduceHandle(_Pinned(work, send), finish)
+
+
+class _Pinned:
+    """A work handle that keeps its send buffer alive until the collective is done."""
+
+    def __init__(self, work: Any, send: torch.Tensor) -> None:
+        self._work, self._send = work, send
+
+    def wait(self) -> None:
+        """Wait for the collective, then drop the send buffer."""
+        self._work.wait()
+        self._send = None
 
 
 def _accumulate(m: Any, part: torch.Tensor, dtype: torch.dtype, accumulate: bool) -> None:

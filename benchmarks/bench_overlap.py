@@ -1,0 +1,298 @@
+"""Host overhead of the coordinator's hooks, and how much injected communication prefetch hides.
+
+    python benchmarks/bench_overlap.py                          # both tables (about 1.5 min on 2 idle cores)
+    python benchmarks/bench_overlap.py --only overhead --modules 400 --steps 50
+    python benchmarks/bench_overlap.py --only prefetch --delays-ms 0,10,40 --link serial
+
+1. ``host_overhead``: world 1 (no process group: every collective is a local copy), a stack
+   of tiny ``nn.Linear`` layers so the hooks dominate. Median forward+backward step time of
+   the plain model, of parts with every parameter persistent (hooks only, no fetch) and of
+   parts fetching and releasing around every call; the difference to plain divided by the
+   hooked calls per step (forward and backward events of the coordinator's trace).
+2. ``prefetch_hiding``: world 2, gloo. The all-gather of ``parts.partition.gather`` is
+   replaced, inside each worker, by one that takes ``delay`` more seconds of wall time: a
+   blocking call sleeps after the real one, an async call returns a handle whose ``wait()``
+   returns no earlier than issue time + delay (``--link parallel``: concurrent transfers
+   overlap each other, pure latency) or queues behind the previous transfer (``--link
+   serial``: one link, transfers back to back). The GPT of recipes/gpt_model.py trains with
+   every block fetched in forward and backward, prefetch off and on, one step of every cell in
+   turn (so load drift hits all cells alike); the losses with prefetch off and on must agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+SETTINGS = ("plain", "persistent", "fetch_release")
+
+
+# ------------------------------------------------------------------ 1. host overhead
+def _tiny_stack(modules: int, width: int) -> nn.Sequential:
+    """``modules`` tiny Linear layers: almost no compute per hooked call."""
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(modules)])
+
+
+def _overhead_model(setting: str, modules: int, width: int) -> tuple[nn.Module, list, Any]:
+    """The tiny-layer stack for ``setting``: model, tensors whose grads to clear, coordinator."""
+    from parts.partition import attach, partitioned, shards
+    torch.manual_seed(0)
+    if setting == "plain":
+        model = _tiny_stack(modules, width)
+        return model, list(model.parameters()), None
+    with partitioned():
+        model = _tiny_stack(modules, width)
+    knobs = (dict(persistence_threshold=1 << 40) if setting == "persistent"
+             else dict(persistence_threshold=0, max_reuse_distance=0))
+    return model, shards(model), attach(model, **knobs)
+
+
+def _one_step(model: nn.Module, grads: list, x: torch.Tensor) -> float:
+    """Seconds for one forward+backward (grads cleared inside, as a training loop would)."""
+    started = time.perf_counter()
+    model(x).sum().backward()
+    for t in grads:
+        t.grad = None
+    return time.perf_counter() - started
+
+
+def host_overhead(modules: int = 200, width: int = 16, batch: int = 4, steps: int = 40,
+                  warmup: int = 3) -> dict[str, dict]:
+    """Median step time per setting and the hook cost in µs per hooked submodule call (world 1)."""
+    built = {s: _overhead_model(s, modules, width) for s in SETTINGS}
+    x = torch.randn(batch, width)
+    times: dict[str, list] = {s: [] for s in SETTINGS}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for round_ in range(warmup + steps):  # interleaved, so drift hits every setting alike
+            for s, (model, grads, _) in built.items():
+                elapsed = _one_step(model, grads, x)
+                if round_ >= warmup:
+                    times[s].append(elapsed)
+    finally:
+        torch.set_num_threads(threads)
+    plain = statistics.median(times["plain"])
+    rows = {}
+    for s, (model, _, coordinator) in built.items():
+        step = statistics.median(times[s])
+        calls = coordinator.stats().trace_events if coordinator is not None else 0
+        per_call = (step - plain) / calls * 1e6 if calls else None
+        rows[s] = dict(step=step, calls=calls, per_call_us=per_call)
+        if coordinator is not None:
+            coordinator.detach()
+    return rows
+
+
+# ---------------------------------------------------------------- 2. prefetch hiding
+class _Link:
+    """When the simulated link is next free (``serial``) or nothing (``parallel``)."""
+
+    def __init__(self, serial: bool) -> None:
+        self.serial, self.busy_until = serial, 0.0
+
+    def due(self, issued: float, delay: float) -> float:
+        """Wall time at which a transfer issued at ``issued`` completes."""
+        start = max(issued, self.busy_until) if self.serial else issued
+        self.busy_until = start + delay
+        return start + delay
+
+
+class _SlowWork:
+    """An async all-gather that completes no earlier than ``due`` (a transfer in the background)."""
+
+    def __init__(self, work: Any, due: float) -> None:
+        self._work, self._due = work, due
+
+    def wait(self) -> bool:
+        """Wait for the real collective, then for the simulated transfer."""
+        if self._work is not None:
+            self._work.wait()
+        _sleep_until(self._due)
+        return True
+
+
+def _sleep_until(due: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``due``."""
+    left = due - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+class _SlowGather:
+    """The real all-gather plus ``delay`` seconds of simulated transfer per call (settable)."""
+
+    def __init__(self, real: Callable, serial: bool) -> None:
+        self.real, self.serial, self.delay, self.link = real, serial, 0.0, _Link(serial)
+
+    def set_delay(self, delay: float) -> None:
+        """Use ``delay`` from now on, on an idle link."""
+        self.delay, self.link = delay, _Link(self.serial)
+
+    def __call__(self, out: torch.Tensor, inp: torch.Tensor, info: Any, async_op: bool = False) -> Any:
+        issued = time.perf_counter()
+        work = self.real(out, inp, info, async_op=async_op)
+        if self.delay <= 0:
+            return work
+        due = self.link.due(issued, self.delay)
+        if async_op:
+            return _SlowWork(work, due)
+        _sleep_until(due)
+        return work
+
+
+def _build_cell(config: GPTConfig, prefetch: bool, rank: int) -> dict:
+    """A fresh GPT (same seed for every cell) with every block fetched per use, and its optimizer."""
+    from parts.partition import attach, partitioned, shards
+    torch.manual_seed(0)
+    with partitioned():
+        model = GPT(config)
+    knobs = dict(persistence_threshold=0, max_reuse_distance=0)
+    coordinator = attach(model, **knobs, **({} if prefetch else dict(prefetch_bucket_size=0)))
+    return dict(model=model, coordinator=coordinator, gen=torch.Generator().manual_seed(1000 + rank),
+                optimizer=torch.optim.AdamW(shards(model), lr=3e-4), times=[], loss=None)
+
+
+def _cell_step(cell: dict, config: GPTConfig, batch: int) -> None:
+    """One training step of ``cell`` (same batches in every cell); records its time and loss."""
+    inputs, targets = (torch.randint(config.vocab_size, (batch, config.block_size),
+                                     generator=cell["gen"]) for _ in range(2))
+    started = time.perf_counter()
+    loss = cell["model"](inputs, targets)
+    loss.backward()
+    cell["optimizer"].step()
+    cell["optimizer"].zero_grad(set_to_none=True)
+    cell["times"].append(time.perf_counter() - started)
+    cell["loss"] = loss.item()
+
+
+def _summary(cell: dict) -> dict:
+    """Median step time (after the trace-recording step and the first replay), stats, loss."""
+    stats = cell["coordinator"].stats()
+    cell["coordinator"].detach()
+    return dict(step=statistics.median(cell["times"][2:] or cell["times"]),
+                gathers=stats.allgather_calls, fetches=stats.fetches,
+                prefetch_hits=stats.prefetch_hits, loss=cell["loss"])
+
+
+def _hiding_worker(rank: int, world: int, port: int, cells: list, config: GPTConfig,
+                   opts: dict, results: Any) -> None:
+    """One rank: train every (delay, prefetch) cell, one step of each in turn (drift hits all alike)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gather_module = importlib.import_module("parts.partition.gather")  # not the `gather` function
+    real = gather_module.all_gather
+    slow = gather_module.all_gather = _SlowGather(real, opts["serial"])
+    try:
+        state = {(d, p): _build_cell(config, p, rank) for d, p in cells}
+        for _ in range(opts["steps"]):
+            for (delay, _), cell in state.items():
+                slow.set_delay(delay)
+                dist.barrier()
+                _cell_step(cell, config, opts["batch"])
+        for key, cell in state.items():
+            row = _summary(cell)
+            if rank == 0:
+                results[key] = row
+    finally:
+        gather_module.all_gather = real
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    """A TCP port free on localhost right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prefetch_hiding(delays: tuple = (0.0, 0.02), steps: int = 16, n_layer: int = 6, n_embd: int = 128,
+                    seq: int = 64, batch: int = 4, vocab: int = 128, world_size: int = 2,
+                    serial: bool = False) -> dict[tuple, dict]:
+    """Median step time, gathers per step and loss per (delay, prefetch) cell; raises if losses differ."""
+    config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=4, n_embd=n_embd)
+    cells = [(d, p) for d in delays for p in (False, True)]
+    results = mp.Manager().dict()
+    opts = dict(steps=steps, batch=batch, serial=serial)
+    mp.spawn(_hiding_worker, args=(world_size, _free_port(), cells, config, opts, results),
+             nprocs=world_size)
+    rows = {cell: dict(results[cell]) for cell in cells}
+    for delay in delays:
+        off, on = (torch.tensor(rows[(delay, p)]["loss"], dtype=torch.float32) for p in (False, True))
+        if not torch.equal(off, on):  # fp32 loss -> python float -> fp32 is exact
+            raise RuntimeError(f"prefetch_hiding: delay {delay * 1e3:g} ms: final loss with prefetch "
+                               f"off {off.item()!r} != on {on.item()!r}")
+    return rows
+
+
+# ------------------------------------------------------------------------- report
+def _print_overhead(rows: dict[str, dict], args: argparse.Namespace) -> None:
+    print(f"\n### Host overhead: {args.modules} x Linear({args.width},{args.width}), batch "
+          f"{args.batch_overhead}, world 1, median of {args.steps_overhead} steps\n")
+    print("| setting | step (ms) | hooked calls / step | hook cost (µs / call) |")
+    print("|---|---|---|---|")
+    for setting, row in rows.items():
+        cost = "-" if row["per_call_us"] is None else f"{row['per_call_us']:.1f}"
+        print(f"| {setting} | {row['step'] * 1e3:.2f} | {row['calls'] or '-'} | {cost} |")
+
+
+def _print_hiding(rows: dict[tuple, dict], args: argparse.Namespace) -> None:
+    print(f"\n### Prefetch hiding: GPT n_layer {args.n_layer}, n_embd {args.n_embd}, seq {args.seq}, "
+          f"batch {args.batch}, world 2, {args.link} link, median of steps 3..{args.steps}\n")
+    print("| delay (ms) | prefetch | step (ms) | all-gathers / step | prefetch hits / fetches "
+          "| added vs 0 ms (ms) | delay hidden | final loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = min(rows)[0]
+    for (delay, prefetch), row in sorted(rows.items()):
+        added = row["step"] - rows[(base, prefetch)]["step"]
+        added_off = rows[(delay, False)]["step"] - rows[(base, False)]["step"]
+        hidden = f"{1 - added / added_off:.0%}" if prefetch and delay > base and added_off > 0 else "-"
+        print(f"| {delay * 1e3:g} | {'on' if prefetch else 'off'} | {row['step'] * 1e3:.1f} | "
+              f"{row['gathers']} | {row['prefetch_hits']} / {row['fetches']} | {added * 1e3:.1f} | "
+              f"{hidden} | {row['loss']:.6f} |")
+    print("\nfinal losses with prefetch on and off: identical (torch.equal) at every delay")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("overhead", "prefetch"), default=None)
+    parser.add_argument("--modules", type=int, default=200)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--batch-overhead", type=int, default=4)
+    parser.add_argument("--steps-overhead", type=int, default=40)
+    parser.add_argument("--delays-ms", default="0,20")
+    parser.add_argument("--link", choices=("parallel", "serial"), default="parallel")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    args = parser.parse_args()
+    if args.only != "prefetch":
+        _print_overhead(host_overhead(args.modules, args.width, args.batch_overhead,
+                                      args.steps_overhead), args)
+    if args.only != "overhead":
+        delays = tuple(float(d) / 1e3 for d in args.delays_ms.split(","))
+        rows = prefetch_hiding(delays, args.steps, args.n_layer, args.n_embd, args.seq, args.batch,
+                               serial=args.link == "serial")
+        _print_hiding(rows, args)
+
+
+if __name__ == "__main__":
+    main()
