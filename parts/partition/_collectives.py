@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -19,7 +20,8 @@ import torch.distributed as dist
 from parts._compat import all_gather_flat, reduce_scatter_flat
 
 __all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather",
-           "reduce_scatter_sum", "broadcast", "broadcast_object", "Work"]
+           "all_gather_many", "reduce_scatter_sum", "reduce_scatter_many", "broadcast",
+           "broadcast_object", "Work", "WorkList"]
 
 
 @dataclass
@@ -98,6 +100,53 @@ class Work:
     def wait(self) -> bool:
         """Nothing to wait for."""
         return True
+
+
+class WorkList:
+    """Several collectives issued together: ``wait()`` waits for all of them."""
+
+    def __init__(self, works: list) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        """Wait for every collective of the group."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return True
+
+
+def _issue_many(collective: Any, outs: list, ins: list, info: GroupInfo, async_op: bool) -> Any:
+    """Issue ``collective(out, inp)`` per pair back to back (the backend runs them in order)."""
+    works = WorkList([collective(o, i, group=info.group, async_op=True) for o, i in zip(outs, ins)])
+    if async_op:
+        return works
+    works.wait()
+    return None
+
+
+def all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: GroupInfo,
+                    async_op: bool = False) -> Any:
+    """All-gather every ``ins[k]`` straight into ``outs[k]`` (no packing); counted as one call."""
+    comm_counter.allgather_calls += 1
+    comm_counter.allgather_bytes += sum(o.numel() * o.element_size() for o in outs)
+    if info.world_size == 1:
+        for o, i in zip(outs, ins):
+            o.copy_(i)
+        return Work() if async_op else None
+    return _issue_many(all_gather_flat, outs, ins, info, async_op)
+
+
+def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: GroupInfo,
+                        async_op: bool = False) -> Any:
+    """Sum every ``ins[k]`` over ranks, this rank's chunk into ``outs[k]``; counted as one call."""
+    comm_counter.reduce_scatter_calls += 1
+    comm_counter.reduce_scatter_bytes += sum(i.numel() * i.element_size() for i in ins)
+    if info.world_size == 1:
+        for o, i in zip(outs, ins):
+            o.copy_(i)
+        return Work() if async_op else None
+    return _issue_many(partial(reduce_scatter_flat, op=dist.ReduceOp.SUM), outs, ins, info, async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, async_op: bool = False) -> Any:

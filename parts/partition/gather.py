@@ -1,11 +1,13 @@
-"""Gather and release sharded parameters: one coalesced all-gather per call.
+"""Gather and release sharded parameters: one group of all-gathers per call, no copies.
 
-``gather`` packs the shards of every requested parameter (sorted by id, so all ranks
-agree on the layout) into one flat send buffer with ``parts.csrc.copy_in``, all-gathers
-it, and unpacks the full tensors with ``parts.csrc.copy_out``. Parameters of several
-dtypes travel in one byte buffer. Fetch is idempotent: AVAILABLE params are skipped,
-INFLIGHT params are not requested again, their pending handle is joined. An AVAILABLE
-param whose shard changed since it was gathered (``is_stale``: an optimizer stepped the
+``gather`` all-gathers the shard of every requested parameter (sorted by id, so all ranks
+issue the same sequence) straight into the storage of its full tensor: the shard is the
+send buffer and the padded full tensor (``world_size * shard_numel`` elements, the param
+a view of its first ``numel``) the receive buffer, so nothing is packed or unpacked. The
+collectives of one call are issued back to back and counted as one call.
+
+Fetch is idempotent: AVAILABLE params are skipped, INFLIGHT params are not requested
+again, their pending handle is joined. An AVAILABLE param whose shard changed since it was gathered (``is_stale``: an optimizer stepped the
 shard while the param stayed gathered) is fetched again, so a gather never hands out
 stale values. (Every rank must see the same shards change, as with any optimizer that
 steps all ranks' shards, or the ranks would disagree on the collective.)
@@ -13,14 +15,12 @@ steps all ranks' shards, or the ranks would disagree on the collective.)
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
 
-from parts import csrc
-from parts.partition._collectives import GroupInfo, all_gather
+from parts.partition._collectives import GroupInfo, all_gather_many
 from parts.partition.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_stale, metas_sorted, stamp)
 
@@ -59,41 +59,16 @@ class GatherHandle:
             h.wait()
 
 
-def _unit_dtype(pairs: Pairs) -> torch.dtype:
-    """The element type of the flat buffer: the params' dtype, or bytes if they differ."""
-    dtypes = {m.dtype for _, m in pairs}
-    return dtypes.pop() if len(dtypes) == 1 else torch.uint8
-
-
-def _as_units(t: torch.Tensor, unit: torch.dtype) -> torch.Tensor:
-    """1-D view of contiguous ``t`` in ``unit`` elements."""
-    flat = t.reshape(-1)
-    return flat if flat.dtype == unit else flat.view(unit)
-
-
-def _plan(pairs: Pairs, unit: torch.dtype) -> tuple[list[int], list[int], int]:
-    """Per-param shard sizes and offsets (in units) inside one rank's chunk, and the chunk size."""
-    scale = [1 if unit == m.dtype else m.dtype.itemsize for _, m in pairs]
-    sizes = [m.layout.shard_numel * s for (_, m), s in zip(pairs, scale)]
-    offsets = list(itertools.accumulate([0] + sizes[:-1]))
-    return sizes, offsets, sum(sizes)
-
-
 def _launch(pairs: Pairs, info: GroupInfo, async_op: bool) -> GatherHandle:
-    """Pack shards, start the all-gather, return the handle that unpacks."""
-    device, unit = pairs[0][1].device, _unit_dtype(pairs)
-    sizes, offsets, chunk = _plan(pairs, unit)
-    send = alloc(chunk, unit, device)
+    """Start the all-gather of every shard straight into its full tensor; the handle finishes."""
+    sends, fulls = [], []
     for _, m in pairs:
-        stamp(m)  # the full tensor will hold the shards as packed now
-    csrc.copy_in([_as_units(m.shard.to(device, non_blocking=True), unit) for _, m in pairs],
-                 send, offsets)
-    recv = alloc(chunk * info.world_size, unit, device)
-    work = all_gather(recv, send, info, async_op=async_op)
+        stamp(m)  # the full tensor will hold the shards as sent now
+        sends.append(m.shard.to(m.device, m.dtype, non_blocking=True))
+        fulls.append(_full_for(m))
+    work = all_gather_many([flat for _, flat in fulls], sends, info, async_op=async_op)
 
     def unpack() -> None:
-        fulls = [_full_for(m) for _, m in pairs]
-        csrc.copy_out(recv, [_as_units(flat, unit) for _, flat in fulls], info.world_size, offsets, sizes)
         for (p, m), (full, _) in zip(pairs, fulls):
             p.data = full
             m.full_ptr = full.untyped_storage().data_ptr()
@@ -102,16 +77,18 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool) -> GatherHandle:
 
 
 def _full_for(m: ParamMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full tensor to fill for ``m`` (its freed storage refilled, else fresh) and a 1-D alias."""
+    """The full tensor for ``m`` (its freed storage refilled, else fresh) and its padded 1-D
+    alias of ``world_size * shard_numel`` elements, which the all-gather writes."""
+    padded = m.world_size * m.layout.shard_numel
     kept, m.shrunk = m.shrunk, None
     if kept is None:
-        flat = alloc(m.numel, m.dtype, m.device)
-        return flat.view(m.shape), flat
+        flat = alloc(padded, m.dtype, m.device)
+        return flat[:m.numel].view(m.shape), flat
     storage = kept.untyped_storage()
-    storage.resize_(m.numel * m.dtype.itemsize)
+    storage.resize_(padded * m.dtype.itemsize)
     # A separate tensor on the same storage: writing through it leaves the version counter
     # of the views autograd saved from ``kept`` untouched (they must see the new values).
-    alias = torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (m.numel,))
+    alias = torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (padded,))
     return kept, alias
 
 

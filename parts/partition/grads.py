@@ -1,10 +1,11 @@
-"""Full gradients to gradient shards (one coalesced reduce-scatter), and ``shards``.
+"""Full gradients to gradient shards (one group of reduce-scatters), and ``shards``.
 
-``reduce_scatter_grads`` casts every full ``p.grad`` into one flat send buffer of
-``dtype`` (fp32 by default, whatever the param dtype), laid out rank-major with the
-padding zeroed, reduce-scatters it (sum), divides by the group size when ``average``
-(DDP semantics) and adds the result into ``meta(p).grad_shard`` (or overwrites it when
-``accumulate=False``). Params whose ``.grad`` is None are skipped: every rank must pass
+``reduce_scatter_grads`` reduce-scatters (sum) every full ``p.grad`` in ``dtype`` (fp32 by
+default, whatever the param dtype): the grad itself is the send buffer when it already is
+a flat fp32 tensor of ``world_size * shard_numel`` elements, else a padded copy (padding
+zeroed). It divides by the group size when ``average`` (DDP semantics) and adds the
+result into ``meta(p).grad_shard`` (the result becomes the grad shard if there is none;
+overwrites it when ``accumulate=False``). Params whose ``.grad`` is None are skipped: every rank must pass
 the same params with the same None pattern, or the collective sizes disagree.
 
 ``shards`` returns the shard tensors themselves; when a grad shard has the shard's dtype
@@ -16,13 +17,12 @@ for shards that are not fp32 and names ``BF16Optimizer`` (fp32 master weights).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
-from parts.partition._collectives import reduce_scatter_sum
+from parts.partition._collectives import reduce_scatter_many
 from parts.partition.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
 __all__ = ["ReduceHandle", "reduce_scatter_grads", "shards"]
@@ -30,33 +30,20 @@ __all__ = ["ReduceHandle", "reduce_scatter_grads", "shards"]
 _FULL_PRECISION = (torch.float32,)
 
 
-def _send_buffer(pairs: list, dtype: torch.dtype, world: int) -> tuple[torch.Tensor, list[int], int]:
-    """Rank-major flat buffer of all grads in ``dtype``, padding zeroed; offsets in one chunk."""
-    sizes = [m.layout.shard_numel for _, m in pairs]
-    offsets = list(itertools.accumulate([0] + sizes[:-1]))
-    chunk = sum(sizes)
-    device = pairs[0][1].device
-    send = alloc(chunk * world, dtype, device)
-    rows = send.view(world, chunk)
-    for (p, m), off, n in zip(pairs, offsets, sizes):
-        grad = p.grad.detach().reshape(-1).to(dtype)
-        if grad.numel() != m.numel:
-            raise RuntimeError(f"reduce_scatter_grads: {m.describe()} has a grad of "
-                               f"{grad.numel()} elements, expected {m.numel}")
-        _scatter_into_rows(rows[:, off:off + n], grad, n)
-    return send, offsets, chunk
-
-
-def _scatter_into_rows(block: torch.Tensor, grad: torch.Tensor, n: int) -> None:
-    """Write flat ``grad`` into a (world, n) block row by row, zeroing the padding."""
-    full_rows = grad.numel() // n if n else 0
-    if full_rows:
-        block[:full_rows].copy_(grad[:full_rows * n].view(full_rows, n))
-    rest = grad.numel() - full_rows * n
-    if full_rows < block.shape[0]:
-        block[full_rows, :rest].copy_(grad[full_rows * n:])
-        block[full_rows, rest:].zero_()
-        block[full_rows + 1:].zero_()
+def _send_for(p: nn.Parameter, m: Any, dtype: torch.dtype, world: int) -> torch.Tensor:
+    """The full grad as a flat ``dtype`` send buffer of ``world * shard_numel`` elements:
+    the grad itself when it already is one, else a copy with the padding zeroed."""
+    grad = p.grad.detach().reshape(-1)
+    if grad.numel() != m.numel:
+        raise RuntimeError(f"reduce_scatter_grads: {m.describe()} has a grad of "
+                           f"{grad.numel()} elements, expected {m.numel}")
+    padded = world * m.layout.shard_numel
+    if grad.dtype == dtype and padded == m.numel and grad.device == m.device:
+        return grad
+    send = alloc(padded, dtype, m.device)
+    send[:m.numel].copy_(grad)
+    send[m.numel:].zero_()
+    return send
 
 
 class ReduceHandle:
@@ -93,29 +80,29 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: Any = None, *, a
     info = common_info(pairs, group, "reduce_scatter_grads")
     if not pairs:
         return ReduceHandle(None, lambda: None) if async_op else None
-    send, offsets, chunk = _send_buffer(pairs, dtype, info.world_size)
+    sends = [_send_for(p, m, dtype, info.world_size) for p, m in pairs]
     for p, _ in pairs:
         p.grad = None
-    recv = alloc(chunk, dtype, send.device)
-    work = reduce_scatter_sum(recv, send, info, async_op=async_op)
+    recvs = [alloc(m.layout.shard_numel, dtype, m.device) for _, m in pairs]
+    work = reduce_scatter_many(recvs, sends, info, async_op=async_op)
 
     def finish() -> None:
-        if average and info.world_size > 1:
-            recv.div_(info.world_size)
-        for (_, m), off in zip(pairs, offsets):
-            _accumulate(m, recv[off:off + m.layout.shard_numel], dtype, accumulate)
+        for (_, m), part in zip(pairs, recvs):
+            if average and info.world_size > 1:
+                part.div_(info.world_size)
+            _accumulate(m, part, accumulate)
 
     if not async_op:
-        del send
+        del sends
         finish()
         return None
-    return ReduceHandle(_Pinned(work, send), finish)
+    return ReduceHandle(_Pinned(work, sends), finish)
 
 
 class _Pinned:
     """A work handle that keeps its send buffer alive until the collective is done."""
 
-    def __init__(self, work: Any, send: torch.Tensor) -> None:
+    def __init__(self, work: Any, send: list[torch.Tensor]) -> None:
         self._work, self._send = work, send
 
     def wait(self) -> None:
@@ -124,13 +111,11 @@ class _Pinned:
         self._send = None
 
 
-def _accumulate(m: Any, part: torch.Tensor, dtype: torch.dtype, accumulate: bool) -> None:
-    """Add (or copy) ``part`` into the grad shard, creating it in ``dtype`` on the shard device."""
+def _accumulate(m: Any, part: torch.Tensor, accumulate: bool) -> None:
+    """Add (or copy) ``part`` into the grad shard; ``part`` becomes the grad shard if there is none."""
     current = m.grad_shard
     if current is None:
-        current = alloc(m.layout.shard_numel, dtype, m.shard.device)
-        current.copy_(part)
-        m.grad_shard = current
+        m.grad_shard = part.to(m.shard.device)
     elif accumulate:
         current.add_(part.to(current.device))
     else:
