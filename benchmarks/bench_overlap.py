@@ -144,9 +144,9 @@ class _SlowGather:
         """Use ``delay`` from now on, on an idle link."""
         self.delay, self.link = delay, _Link(self.serial)
 
-    def __call__(self, out: torch.Tensor, inp: torch.Tensor, info: Any, async_op: bool = False) -> Any:
+    def __call__(self, outs: list, ins: list, info: Any, async_op: bool = False) -> Any:
         issued = time.perf_counter()
-        work = self.real(out, inp, info, async_op=async_op)
+        work = self.real(outs, ins, info, async_op=async_op)
         if self.delay <= 0:
             return work
         due = self.link.due(issued, self.delay)
@@ -197,8 +197,8 @@ def _hiding_worker(rank: int, world: int, port: int, cells: list, config: GPTCon
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     gather_module = importlib.import_module("parts.partition.gather")  # not the `gather` function
-    real = gather_module.all_gather
-    slow = gather_module.all_gather = _SlowGather(real, opts["serial"])
+    real = gather_module.all_gather_many
+    slow = gather_module.all_gather_many = _SlowGather(real, opts["serial"])
     try:
         state = {(d, p): _build_cell(config, p, rank) for d, p in cells}
         for _ in range(opts["steps"]):
@@ -211,7 +211,7 @@ def _hiding_worker(rank: int, world: int, port: int, cells: list, config: GPTCon
             if rank == 0:
                 results[key] = row
     finally:
-        gather_module.all_gather = real
+        gather_module.all_gather_many = real
         dist.destroy_process_group()
 
 

@@ -5,8 +5,9 @@
 
 Every system trains the same GPT (recipes/gpt_model.py) from the same seed on the same
 batches, AdamW, fp32, in fresh processes (so peak RSS is each system's own), one system
-after the other in one invocation. Prints median step time, the ratio to DDP, peak RSS
-per rank, and the final loss (all systems must agree).
+after the other in one invocation, ``--rounds`` times in turn (so load drift on a shared
+machine hits all systems alike). Prints the median step time, the ratio to DDP, peak RSS
+per rank, and the final loss (all systems must agree), then the hooks' host overhead.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def build_parts_lean(config):
     with partitioned():
         model = GPT(config)
     block = 12 * config.n_embd ** 2
-    coordinator = attach(model, persistence_threshold=0, max_reuse_distance=0,
-                         prefetch_bucket_size=block, max_live_parameters=2 * block)
+    coordinator = attach(model, persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=block,
+                         max_live_parameters=2 * block, reduce_bucket_size=block)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
 
@@ -111,11 +112,14 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--mmap-threshold", type=int, default=128 * 1024,
                         help="bytes; every system's processes get parts.observe.set_mmap_threshold(N) "
                              "(0: glibc's dynamic default)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run every system this many times, alternating; report the median")
+    parser.add_argument("--no-overhead", action="store_true", help="skip the world-1 host-overhead run")
     args = parser.parse_args()
     config = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.n_layer,
                        n_head=8, n_embd=args.n_embd)
@@ -123,12 +127,36 @@ def main() -> None:
     print(f"GPT {params / 1e6:.1f}M params, world {args.world_size}, micro-batch "
           f"{args.batch}x{args.seq} per rank, fp32 AdamW, {args.steps} steps, "
           f"mmap threshold {args.mmap_threshold or 'glibc default'}")
-    results = mp.Manager().dict()
-    for system in args.systems.split(","):
-        mp.spawn(_worker, args=(args.world_size, _free_port(), system, config, args, results),
-                 nprocs=args.world_size)
-        print(f"  {system}: done", flush=True)
-    _print_table(dict(results), params)
+    results, runs = mp.Manager().dict(), {}
+    for round_no in range(args.rounds):  # systems alternate, so load drift hits them alike
+        for system in args.systems.split(","):
+            mp.spawn(_worker, args=(args.world_size, _free_port(), system, config, args, results),
+                     nprocs=args.world_size)
+            runs.setdefault(system, []).append(results[system])
+            print(f"  round {round_no + 1}/{args.rounds} {system}: {results[system]['step']:.3f} s", flush=True)
+    _print_table({system: _combine(rows) for system, rows in runs.items()}, params)
+    if not args.no_overhead:
+        _print_overhead()
+
+
+def _print_overhead() -> None:
+    """Host cost of the coordinator's hooks per submodule call, communication made free (world 1)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_overlap import host_overhead
+    rows = host_overhead()
+    print("\nHost overhead per hooked submodule call (world 1: collectives are local copies; "
+          "200 x Linear(16, 16), bench_overlap.py):")
+    for setting in ("persistent", "fetch_release"):
+        print(f"  {setting}: {rows[setting]['per_call_us']:.0f} µs")
+
+
+def _combine(rows: list) -> dict:
+    """One system's runs: median of the per-run median step times, the highest peak RSS."""
+    losses = {row["loss"] for row in rows}
+    if len(losses) != 1:
+        raise RuntimeError(f"runs of one system disagree on the final loss: {sorted(losses)}")
+    return dict(step=statistics.median(row["step"] for row in rows),
+                peak_rss=max(row["peak_rss"] for row in rows), loss=losses.pop(), stats=rows[-1]["stats"])
 
 
 def _print_table(results, params) -> None:

@@ -19,9 +19,8 @@ import torch.distributed as dist
 
 from parts._compat import all_gather_flat, reduce_scatter_flat
 
-__all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather",
-           "all_gather_many", "reduce_scatter_sum", "reduce_scatter_many", "broadcast",
-           "broadcast_object", "Work", "WorkList"]
+__all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather_many",
+           "reduce_scatter_many", "broadcast", "broadcast_object", "Work", "WorkList"]
 
 
 @dataclass
@@ -147,26 +146,6 @@ def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info:
             o.copy_(i)
         return Work() if async_op else None
     return _issue_many(partial(reduce_scatter_flat, op=dist.ReduceOp.SUM), outs, ins, info, async_op)
-
-
-def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, async_op: bool = False) -> Any:
-    """All-gather equal chunks ``inp`` into ``out`` (rank order); a work handle if ``async_op``."""
-    comm_counter.allgather_calls += 1
-    comm_counter.allgather_bytes += out.numel() * out.element_size()
-    if info.world_size == 1:
-        out.copy_(inp)
-        return Work() if async_op else None
-    return all_gather_flat(out, inp, group=info.group, async_op=async_op)
-
-
-def reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, async_op: bool = False) -> Any:
-    """Sum ``inp`` (world_size equal chunks) over ranks into ``out``; a work handle if ``async_op``."""
-    comm_counter.reduce_scatter_calls += 1
-    comm_counter.reduce_scatter_bytes += inp.numel() * inp.element_size()
-    if info.world_size == 1:
-        out.copy_(inp)
-        return Work() if async_op else None
-    return reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=info.group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:

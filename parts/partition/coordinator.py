@@ -3,14 +3,14 @@
 ``attach(model)`` hooks every submodule that owns sharded parameters (``recurse=False``) or
 uses others' (external parameters), plus the root:
 
-* before a submodule's forward its parameters are gathered (one coalesced collective) and
+* before a submodule's forward its parameters are gathered (one group of collectives) and
   released after it, unless kept for reuse or persistent; before its backward (a pre-hook on
   the autograd nodes of the forward's output tensors, found in tuples, dicts and dataclasses)
   they are gathered again;
 * grads are reduce-scattered into fp32 grad shards once per backward, after a parameter's
   last use (``register_post_accumulate_grad_hook``: tied weights once, never early),
   accumulating across micro-batches; complete grads wait in a bucket until it holds
-  ``reduce_bucket_size`` elements (0: each alone), then go in one coalesced collective
+  ``reduce_bucket_size`` elements (0: each alone), then go in one group of collectives
   (async with ``overlap_comm``: it runs while backward computes the next bucket; every
   bucket has landed in the grad shards when ``backward()`` returns);
 * the first step of each phase (``train``, ``eval/no_grad``, ...) records the submodule order;
@@ -382,7 +382,7 @@ class FetchCoordinator(FetchEngine):
             self._end_step(phase)
 
     def _reduce(self, phase: Optional[str]) -> None:
-        """Reduce-scatter the pending full grads (one coalesced collective) into the grad shards."""
+        """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
         params = [p for p in self._pending if p.grad is not None]
         self._pending, self._pending_numel = [], 0
         if not params:

@@ -94,7 +94,7 @@ def _full_for(m: ParamMeta) -> tuple[torch.Tensor, torch.Tensor]:
 
 @internal
 def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = False) -> Optional[GatherHandle]:
-    """Make ``params`` full (``p.data`` gets the global tensor) with one coalesced all-gather."""
+    """Make ``params`` full (``p.data`` gets the global tensor) with one group of all-gathers."""
     pairs = metas_sorted(params)
     info = common_info(pairs, group, "gather")
     todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE or is_stale(m)]
