@@ -2,7 +2,12 @@
 
 torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in
 favour of ``all_gather_single`` / ``reduce_scatter_single``; older releases only
-have the former. Every part's collectives module calls these two wrappers.
+have the former. Every part's collectives module calls these wrappers.
+
+gloo's reduce-scatter is slower than its all-reduce of the same tensor (it blocks the
+caller while it copies: 8 MB fp32 at world 2, 15.8 ms of which 7.4 ms blocking, against
+10.0 ms and 0.1 ms for an all-reduce), so ``reduce_scatter_consuming`` all-reduces there
+and keeps this rank's chunk: twice the wire bytes of a reduce-scatter, less time.
 """
 
 from __future__ import annotations
@@ -26,3 +31,31 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any = dis
                         group: Optional[Any] = None, async_op: bool = False) -> Any:
     """Reduce ``input`` (world_size equal chunks) across ranks; this rank's chunk lands in ``output``."""
     return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                             group: Optional[Any] = None, async_op: bool = False) -> Any:
+    """``reduce_scatter_flat`` that may overwrite ``input`` (on gloo: an all-reduce, then a slice)."""
+    if dist.get_backend(group) != "gloo":
+        return reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
+    chunk = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+    work = _SliceWhenDone(dist.all_reduce(input, op=op, group=group, async_op=True), output, chunk)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+class _SliceWhenDone:
+    """An all-reduce standing in for a reduce-scatter: ``wait()`` copies this rank's chunk out."""
+
+    def __init__(self, work: Any, output: torch.Tensor, chunk: torch.Tensor) -> None:
+        self._work, self._output, self._chunk = work, output, chunk
+
+    def wait(self) -> bool:
+        """Wait for the all-reduce, then copy the chunk (once)."""
+        if self._work is not None:
+            self._work.wait()
+            self._output.copy_(self._chunk)
+            self._work = self._chunk = None
+        return True

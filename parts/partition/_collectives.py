@@ -1,6 +1,6 @@
 """Every collective of ``parts.partition``, with a byte counter the coordinator can read.
 
-Built on ``parts._compat`` (``all_gather_flat`` / ``reduce_scatter_flat``) and
+Built on ``parts._compat`` (``all_gather_flat`` / ``reduce_scatter_consuming``) and
 ``torch.distributed.broadcast``. A process without an initialised process group is a
 world of one (collectives become local copies), unless the environment says
 ``WORLD_SIZE > 1``: then the caller forgot ``init_process_group`` and every rank would
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from parts._compat import all_gather_flat, reduce_scatter_flat
+from parts._compat import all_gather_flat, reduce_scatter_consuming
 
 __all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather_many",
            "reduce_scatter_many", "broadcast", "broadcast_object", "Work", "WorkList"]
@@ -138,14 +138,17 @@ def all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: Gro
 
 def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: GroupInfo,
                         async_op: bool = False) -> Any:
-    """Sum every ``ins[k]`` over ranks, this rank's chunk into ``outs[k]``; counted as one call."""
+    """Sum every ``ins[k]`` over ranks, this rank's chunk into ``outs[k]``; counted as one call.
+
+    ``ins`` may be overwritten (gloo all-reduces them in place: see ``parts._compat``).
+    """
     comm_counter.reduce_scatter_calls += 1
     comm_counter.reduce_scatter_bytes += sum(i.numel() * i.element_size() for i in ins)
     if info.world_size == 1:
         for o, i in zip(outs, ins):
             o.copy_(i)
         return Work() if async_op else None
-    return _issue_many(partial(reduce_scatter_flat, op=dist.ReduceOp.SUM), outs, ins, info, async_op)
+    return _issue_many(partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM), outs, ins, info, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:

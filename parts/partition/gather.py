@@ -7,9 +7,9 @@ a view of its first ``numel``) the receive buffer, so nothing is packed or unpac
 collectives of one call are issued back to back and counted as one call.
 
 Fetch is idempotent: AVAILABLE params are skipped, INFLIGHT params are not requested
-again, their pending handle is joined. An AVAILABLE param whose shard changed since it was gathered (``is_stale``: an optimizer stepped the
-shard while the param stayed gathered) is fetched again, so a gather never hands out
-stale values. (Every rank must see the same shards change, as with any optimizer that
+again, their pending handle is joined. An AVAILABLE param whose shard changed since it
+was gathered (``is_stale``: an optimizer stepped the shard while the param stayed
+gathered) is fetched again, so a gather never hands out stale values. (Every rank must see the same shards change, as with any optimizer that
 steps all ranks' shards, or the ranks would disagree on the collective.)
 """
 

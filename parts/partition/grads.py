@@ -5,8 +5,9 @@ default, whatever the param dtype): the grad itself is the send buffer when it a
 a flat fp32 tensor of ``world_size * shard_numel`` elements, else a padded copy (padding
 zeroed). It divides by the group size when ``average`` (DDP semantics) and adds the
 result into ``meta(p).grad_shard`` (the result becomes the grad shard if there is none;
-overwrites it when ``accumulate=False``). Params whose ``.grad`` is None are skipped: every rank must pass
-the same params with the same None pattern, or the collective sizes disagree.
+overwrites it when ``accumulate=False``). Params whose ``.grad`` is None are skipped:
+every rank must pass the same params with the same None pattern, or the collectives
+disagree.
 
 ``shards`` returns the shard tensors themselves; when a grad shard has the shard's dtype
 and device it *is* ``shard.grad``, so ``torch.optim.AdamW(shards(model))`` steps the
@@ -73,8 +74,9 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: Any = None, *, a
                          async_op: bool = False) -> Optional[ReduceHandle]:
     """Reduce-scatter the full ``p.grad`` of ``params`` into their grad shards (sum or mean), freeing ``p.grad``.
 
-    The grads are copied into the send buffer and freed at once; with ``async_op`` the
-    grad shards are updated only by the returned handle's ``wait()``.
+    The grads are consumed: ``p.grad`` is set to None at once, and a grad tensor may itself
+    be the send buffer (overwritten on gloo). With ``async_op`` the grad shards are
+    updated only by the returned handle's ``wait()``.
     """
     pairs = [(p, m) for p, m in metas_sorted(params) if p.grad is not None]
     info = common_info(pairs, group, "reduce_scatter_grads")
