@@ -160,13 +160,14 @@ def _combine(rows: list) -> dict:
 
 
 def _print_table(results, params) -> None:
-    base = results.get("ddp", {}).get("step")
-    print("\n| system | step (s) | vs DDP | peak RSS / rank (MiB) | final loss | gathered + reduce-scattered per step |")
-    print("|---|---|---|---|---|---|")
+    ddp, fsdp2 = (results.get(name, {}).get("step") for name in ("ddp", "fsdp2"))
+    print("\n| system | step (s) | vs DDP | vs FSDP2 | peak RSS / rank (MiB) | final loss | "
+          "gathered + reduce-scattered per step |")
+    print("|---|---|---|---|---|---|---|")
     for system, row in results.items():
-        ratio = f"{row['step'] / base:.2f}" if base else "-"
-        print(f"| {system} | {row['step']:.3f} | {ratio} | {row['peak_rss'] / 2**20:.0f} | "
-              f"{row['loss']:.4f} | {_traffic(row.get('stats'), params)} |")
+        ratios = [f"{row['step'] / base:.2f}" if base else "-" for base in (ddp, fsdp2)]
+        print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | "
+              f"{row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {_traffic(row.get('stats'), params)} |")
 
 
 def _traffic(stats, params) -> str:

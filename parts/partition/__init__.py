@@ -26,7 +26,7 @@ from parts.partition._collectives import CommCounter, comm_counter
 from parts.partition.construct import partition_module, partitioned
 from parts.partition.gather import GatherHandle, gather, release
 from parts.partition.gathered import gathered
-from parts.partition.grads import reduce_scatter_grads, shards
+from parts.partition.grads import ReduceHandle, reduce_scatter_grads, shards
 from parts.partition.layout import ShardLayout
 from parts.partition.param import ParamMeta, ParamStatus, is_partitioned, meta
 from parts.partition.state_dict import full_state_dict, load_full_state_dict
@@ -41,7 +41,7 @@ __all__ = [
     "partitioned", "partition_module",
     "ParamMeta", "ParamStatus", "is_partitioned", "meta",
     "GatherHandle", "gather", "release", "gathered",
-    "reduce_scatter_grads", "shards",
+    "ReduceHandle", "reduce_scatter_grads", "shards",
     "full_state_dict", "load_full_state_dict",
     "CommCounter", "comm_counter",
     "FetchCoordinator", "attach", "detach", "register_external_parameter",
