@@ -7,8 +7,9 @@ uses others' (external parameters), plus the root:
   released after it, unless kept for reuse or persistent; before its backward (a pre-hook on
   the autograd nodes of the forward's output tensors, found in tuples, dicts and dataclasses)
   they are gathered again;
-* grads are reduce-scattered into fp32 grad shards once per backward, after a parameter's
-  last use (``register_post_accumulate_grad_hook``: tied weights once, never early),
+* grads are reduce-scattered into fp32 grad shards (coordinator_reduce.py) once per
+  backward, after a parameter's last use (``register_post_accumulate_grad_hook``: tied
+  weights once, never early),
   accumulating across micro-batches; complete grads wait in a bucket until it holds
   ``reduce_bucket_size`` elements (0: each alone), then go in one group of collectives
   (async with ``overlap_comm``: it runs while backward computes the next bucket; every
@@ -55,21 +56,20 @@ from parts.partition.coordinator_debug import RankDivergence
 from parts.partition.coordinator_fetch import FetchEngine, ModuleCall, StepState
 from parts.partition.coordinator_hooks import (ModuleHooks, in_backward, on_backward_end,
                                                register_pre_backward)
+from parts.partition.coordinator_reduce import GradReducer
 from parts.partition.coordinator_stats import CoordinatorStats, StepCounters, freeze
 from parts.partition.gather import release
-from parts.partition.grads import reduce_scatter_grads
 from parts.partition.param import ParamStatus, is_partitioned, is_stale, meta
-from parts.partition.plan import Knobs, collective_bytes, select_persistent
+from parts.partition.plan import Knobs, select_persistent
 from parts.partition.trace import BACKWARD, FORWARD, TraceBook, phase_name, trace_digest
 
 __all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
 
 _NOT_AVAILABLE = ParamStatus.NOT_AVAILABLE
-_REDUCE_ITEMSIZE = torch.float32.itemsize  # grads are reduce-scattered in fp32
 _attached: "weakref.WeakKeyDictionary[nn.Module, FetchCoordinator]" = weakref.WeakKeyDictionary()
 
 
-class FetchCoordinator(FetchEngine):
+class FetchCoordinator(FetchEngine, GradReducer):
     """Fetches and releases sharded parameters around every submodule; see ``attach``."""
 
     def __init__(self, group: Any = None, *, prefetch_bucket_size: int = 50_000_000,
@@ -160,9 +160,7 @@ class FetchCoordinator(FetchEngine):
         self._prefetched: set = set()
         self._pass_gathers: dict[tuple, int] = {}
         self._fwd_no = self._bwd_no = 0
-        self._pending: list = []  # params whose full grad is complete, awaiting reduce-scatter
-        self._reducing: list = []  # reduce-scatters in flight (overlap_comm)
-        self._pending_numel = 0
+        self._setup_reducer()
         self._bwd_phase: Optional[str] = None
         self._counters = StepCounters()
         self._misses = 0
@@ -362,47 +360,19 @@ class FetchCoordinator(FetchEngine):
             self._uses[pid] -= held
             self._settle([pid], self._steps.get(self._bwd_phase))
         if p.grad is not None:
-            self._pending.append(p)
-            self._pending_numel += self._sizes[pid]
-            if self._pending_numel >= self.knobs.reduce_bucket_size:
-                self._reduce(self._bwd_phase)
+            self._queue_grad(p, pid, self._bwd_phase)
 
     def _end_backward(self) -> None:
         phase, self._bwd_phase = self._bwd_phase, None
         if self._root is None:
             return
-        pending = {id(p) for p in self._pending}  # + grads no hook announced (e.g. unfrozen later)
-        self._pending += [p for p in self._by_id.values() if p.grad is not None and id(p) not in pending]
-        self._reduce(phase)
-        self._wait_reduces()  # the grad shards are complete when backward returns
+        self._reduce_all(phase)
         for pid, held in self._bwd_uses.items():
             self._uses[pid] -= held
         self._bwd_uses.clear()
         if phase in self._steps:
             self._end_step(phase)
 
-    def _reduce(self, phase: Optional[str]) -> None:
-        """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
-        params = [p for p in self._pending if p.grad is not None]
-        self._pending, self._pending_numel = [], 0
-        if not params:
-            return
-        self._check(self._steps.get(phase), "reduce", ids=[self._pids[id(p)] for p in params])
-        self._counters.reduce_scatter_calls += 1
-        for p in params:
-            m = self._recs[self._pids[id(p)]]
-            self._counters.reduce_scatter_bytes += collective_bytes(
-                m.layout.shard_numel, m.world_size, _REDUCE_ITEMSIZE)
-        handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm)
-        self._wait_reduces()  # the previous bucket: at most two buckets in flight
-        if handle is not None:
-            self._reducing.append(handle)
-
-    def _wait_reduces(self) -> None:
-        """Finish the reduce-scatters in flight (their slices land in the grad shards)."""
-        reducing, self._reducing = self._reducing, []
-        for handle in reducing:
-            handle.wait()
 
 def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
     """Hook ``module`` (already sharded) so plain ``model(x); loss.backward()`` runs ZeRO-3."""
