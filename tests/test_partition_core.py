@@ -66,7 +66,7 @@ def body_roundtrip(specs, seed, poison):
             out["flat"].append(r.detach().reshape(-1).clone())
         before = comm_counter.allgather_calls
         gather(params)
-        assert comm_counter.allgather_calls == before + 1  # one coalesced collective
+        assert comm_counter.allgather_calls == before + 1  # one group of collectives
         for p, r in zip(params, ref.parameters()):
             assert meta(p).status is ParamStatus.AVAILABLE
             assert p.shape == r.shape and p.dtype == r.dtype and torch.equal(p.data, r.data), meta(p).name

@@ -45,7 +45,9 @@ class CommCounter:
 
 
 comm_counter = CommCounter()
-"""Process-wide counter: all-gather bytes are output (full) bytes, reduce-scatter bytes input (full) bytes."""
+"""Process-wide counter: all-gather bytes are output (full) bytes, reduce-scatter bytes input (full)
+bytes; a call is one ``*_many`` group. Logical bytes: on gloo a reduce-scatter is run as an
+all-reduce (see ``parts._compat``), which moves twice as many bytes on the wire."""
 
 
 @dataclass(frozen=True)
