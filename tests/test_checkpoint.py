@@ -290,16 +290,22 @@ def test_rng_states_after_backward_equal_before():
     assert all(torch.equal(after[k], tracked_before[k]) for k in after)
 
 
+def _tracked_mlp():
+    """A seeded tracker, an MLP, an input, and a body that runs the MLP in the tracker's stream."""
+    tracker = seed_model_parallel(5)
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(5, 11, requires_grad=True)
+
+    def body(h):
+        with tracker.fork():
+            return model(h)
+
+    return tracker, model, x, body
+
+
 def test_tracker_stream_replayed_bitwise():
     def run(ckpt):
-        tracker = seed_model_parallel(5)
-        torch.manual_seed(0)
-        model, x = MLP(), torch.randn(5, 11, requires_grad=True)
-
-        def body(h):
-            with tracker.fork():
-                return model(h)
-
+        tracker, model, x, body = _tracked_mlp()
         h = x * 1.0
         for _ in range(3):
             h = checkpoint(body, h, policy=CheckpointPolicy(rng_tracker=tracker)) if ckpt else body(h)
@@ -311,14 +317,7 @@ def test_tracker_stream_replayed_bitwise():
 
 def test_without_tracker_in_policy_tracked_dropout_diverges():
     # the tracker must be passed: otherwise its stream is not replayed (documented)
-    tracker = seed_model_parallel(5)
-    torch.manual_seed(0)
-    model, x = MLP(), torch.randn(5, 11, requires_grad=True)
-
-    def body(h):
-        with tracker.fork():
-            return model(h)
-
+    tracker, model, x, body = _tracked_mlp()
     ref = torch.autograd.grad(body(x * 1.0).sum(), [x])[0]
     tracker = seed_model_parallel(5, tracker=tracker)
     got = torch.autograd.grad(checkpoint(body, x * 1.0).sum(), [x])[0]

@@ -104,22 +104,29 @@ class Work:
 
 
 class WorkList:
-    """Several collectives issued together: ``wait()`` waits for all of them."""
+    """Several collectives issued together: ``wait()`` waits for all of them. It keeps their
+    tensors alive until then (an async collective must not lose its buffers)."""
 
-    def __init__(self, works: list) -> None:
-        self._works = works
+    def __init__(self, works: list, tensors: tuple = ()) -> None:
+        self._works, self._tensors = works, tensors
 
     def wait(self) -> bool:
-        """Wait for every collective of the group."""
+        """Wait for every collective of the group, then drop the tensors."""
         for work in self._works:
             work.wait()
-        self._works = []
+        self._works, self._tensors = [], ()
         return True
 
 
-def _issue_many(collective: Any, outs: list, ins: list, info: GroupInfo, async_op: bool) -> Any:
-    """Issue ``collective(out, inp)`` per pair back to back (the backend runs them in order)."""
-    works = WorkList([collective(o, i, group=info.group, async_op=True) for o, i in zip(outs, ins)])
+def _run_many(collective: Any, outs: list, ins: list, info: GroupInfo, async_op: bool) -> Any:
+    """``collective(out, inp)`` per pair, issued back to back (the backend runs them in order);
+    a world of one copies. A ``WorkList`` if ``async_op``, else None once all are done."""
+    if info.world_size == 1:
+        for o, i in zip(outs, ins):
+            o.copy_(i)
+        return Work() if async_op else None
+    works = WorkList([collective(o, i, group=info.group, async_op=True) for o, i in zip(outs, ins)],
+                     (outs, ins))
     if async_op:
         return works
     works.wait()
@@ -131,11 +138,7 @@ def all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: Gro
     """All-gather every ``ins[k]`` straight into ``outs[k]`` (no packing); counted as one call."""
     comm_counter.allgather_calls += 1
     comm_counter.allgather_bytes += sum(o.numel() * o.element_size() for o in outs)
-    if info.world_size == 1:
-        for o, i in zip(outs, ins):
-            o.copy_(i)
-        return Work() if async_op else None
-    return _issue_many(all_gather_flat, outs, ins, info, async_op)
+    return _run_many(all_gather_flat, outs, ins, info, async_op)
 
 
 def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: GroupInfo,
@@ -146,11 +149,7 @@ def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info:
     """
     comm_counter.reduce_scatter_calls += 1
     comm_counter.reduce_scatter_bytes += sum(i.numel() * i.element_size() for i in ins)
-    if info.world_size == 1:
-        for o, i in zip(outs, ins):
-            o.copy_(i)
-        return Work() if async_op else None
-    return _issue_many(partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM), outs, ins, info, async_op)
+    return _run_many(partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM), outs, ins, info, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:

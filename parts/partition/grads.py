@@ -94,23 +94,11 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: Any = None, *, a
                 part.div_(info.world_size)
             _accumulate(m, part, accumulate)
 
+    del sends  # the work keeps them until it is done
     if not async_op:
-        del sends
         finish()
         return None
-    return ReduceHandle(_Pinned(work, sends), finish)
-
-
-class _Pinned:
-    """A work handle that keeps its send buffer alive until the collective is done."""
-
-    def __init__(self, work: Any, send: list[torch.Tensor]) -> None:
-        self._work, self._send = work, send
-
-    def wait(self) -> None:
-        """Wait for the collective, then drop the send buffer."""
-        self._work.wait()
-        self._send = None
+    return ReduceHandle(work, finish)
 
 
 def _accumulate(m: Any, part: torch.Tensor, accumulate: bool) -> None:
