@@ -59,3 +59,17 @@ class _SliceWhenDone:
             self._output.copy_(self._chunk)
             self._work = self._chunk = None
         return True
+
+
+_SWAP_DATA = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+
+
+def can_swap_storage_data() -> bool:
+    """True if this torch can move the memory of one storage into another (``swap_storage_data``)."""
+    return _SWAP_DATA is not None
+
+
+def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (pointer and byte size) of storages ``a`` and ``b``; tensors and
+    views on either keep their storage object and see the other's bytes."""
+    _SWAP_DATA(a, b)

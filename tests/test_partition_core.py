@@ -13,6 +13,7 @@ from harness import run
 from parts.partition import (ParamStatus, comm_counter, gather, gathered, is_partitioned, meta,
                              partition_module, partitioned, reduce_scatter_grads, release, shards)
 from parts.partition import param as param_mod
+from parts.partition.storage_pool import StoragePool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DIMS = st.sampled_from([0, 1, 2, 3, 5, 7, 13, 31])
@@ -81,16 +82,30 @@ def body_roundtrip(specs, seed, poison):
 
 
 def _free_and_refill(params, refs):
-    """release(free_storage=True) empties the full storages; gather refills those same storages."""
-    fulls = [p.data for p in params]
-    release(params, free_storage=True)
-    for p, full in zip(params, fulls):
-        assert p.data.numel() == 0 and full.untyped_storage().nbytes() == 0, meta(p).name
-    gather(params)
-    for p, r, full in zip(params, refs, fulls):
-        if r.numel():  # the same storage, refilled with the gathered values
-            assert p.data.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
-        assert torch.equal(full, r.data) and torch.equal(p.data, r.data), meta(p).name
+    """release(free_storage=True) empties the full storages; gather refills those same storages
+    (fresh memory without a pool; with one, the very blocks the release gave it)."""
+    for pool in (None, StoragePool()):
+        fulls = [p.data for p in params]
+        ptrs = [full.untyped_storage().data_ptr() for full in fulls]
+        release(params, free_storage=True, pool=pool)
+        for p, full in zip(params, fulls):
+            assert p.data.numel() == 0 and full.untyped_storage().nbytes() == 0, meta(p).name
+        if pool is not None:
+            assert pool.cached_bytes == sum(_padded_nbytes(p) for p in params if meta(p).numel)
+        gather(params, pool=pool)
+        for p, r, full, ptr in zip(params, refs, fulls, ptrs):
+            if r.numel():  # the same storage, refilled with the gathered values
+                assert p.data.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+            assert torch.equal(full, r.data) and torch.equal(p.data, r.data), meta(p).name
+        if pool is not None:
+            assert pool.cached_bytes == 0  # every block went back to a parameter of its size
+            assert sorted(p.data.untyped_storage().data_ptr() for p in params if meta(p).numel) == \
+                sorted(ptr for p, ptr in zip(params, ptrs) if meta(p).numel)
+
+
+def _padded_nbytes(p):
+    m = meta(p)
+    return m.world_size * m.layout.shard_numel * m.dtype.itemsize
 
 
 @settings(max_examples=25, deadline=None)

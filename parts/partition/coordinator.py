@@ -34,6 +34,8 @@ stay gathered for good. At the start of every later step those whose shard chang
 they were gathered (an optimizer stepped it: ``parts.partition.param.is_stale``) are
 gathered again, in one collective, so no stale full copy is ever used: one gather of them
 per optimizer step, none for steps without an update (evaluation, accumulation).
+``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
+that size instead of going back to the host allocator (CPU only; ``storage_pool.py``).
 
 What all ranks must share: the same submodules run in the same order (every fetch and
 reduce-scatter is a collective). ``debug=True`` makes the ranks agree on (phase, step,
@@ -61,6 +63,7 @@ from parts.partition.coordinator_stats import CoordinatorStats, StepCounters, fr
 from parts.partition.gather import release
 from parts.partition.param import ParamStatus, is_partitioned, is_stale, meta
 from parts.partition.plan import Knobs, select_persistent
+from parts.partition.storage_pool import StoragePool
 from parts.partition.trace import BACKWARD, FORWARD, TraceBook, phase_name, trace_digest
 
 __all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
@@ -76,11 +79,11 @@ class FetchCoordinator(FetchEngine, GradReducer):
                  max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
                  persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
                  overlap_comm: bool = True, debug: bool = False,
-                 reduce_bucket_size: int = 5_000_000) -> None:
+                 reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True) -> None:
         self.group = group
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
-                           reduce_bucket_size)
+                           reduce_bucket_size, cache_freed_storage)
         self._root: Optional[nn.Module] = None
         self._last: Optional[CoordinatorStats] = None
 
@@ -119,6 +122,7 @@ class FetchCoordinator(FetchEngine, GradReducer):
             handle.remove()
         held = [p for pid, p in self._by_id.items() if self._recs[pid].status is not _NOT_AVAILABLE]
         release(held)
+        self._pool = None
         for sub in self._modules:
             if _attached.get(sub) is self:
                 del _attached[sub]
@@ -157,6 +161,7 @@ class FetchCoordinator(FetchEngine, GradReducer):
         self._bwd_uses: dict[int, int] = {}
         self._live: dict[int, int] = {}
         self._live_total = 0
+        self._pool = StoragePool() if self.knobs.cache_freed_storage else None
         self._prefetched: set = set()
         self._pass_gathers: dict[tuple, int] = {}
         self._fwd_no = self._bwd_no = 0
@@ -246,7 +251,7 @@ class FetchCoordinator(FetchEngine, GradReducer):
                 stale.append(pid)
         self._check(self._steps[phase], "start", ids=sorted(todo + stale))
         if stale:
-            release([self._by_id[pid] for pid in stale], free_storage=True)
+            release([self._by_id[pid] for pid in stale], free_storage=True, pool=self._pool)
             todo = sorted(todo + stale)
         if todo:
             self._counters.persistent_gathers += len(todo)
@@ -267,7 +272,8 @@ class FetchCoordinator(FetchEngine, GradReducer):
         self._last = freeze(self._counters, steps=self._steps_done, phase=phase,
                             trace_outcome=record.outcome, trace_events=len(record.events),
                             trace_digest=digest, trace_misses=self._misses,
-                            persistent_params=len(self._persistent), persistent_elements=pers)
+                            persistent_params=len(self._persistent), persistent_elements=pers,
+                            cached_bytes=self._pool.cached_bytes if self._pool else 0)
         self._counters = StepCounters()
 
     def stats(self) -> Optional[CoordinatorStats]:

@@ -125,7 +125,7 @@ class FetchEngine:
             self._note_gathered(pid, self._pass_key(kinds.get(pid, kind)))
         if fresh:
             self._counters.allgather_calls += 1
-        gather([self._by_id[pid] for pid in todo], self.group, async_op=async_op)
+        gather([self._by_id[pid] for pid in todo], self.group, async_op=async_op, pool=self._pool)
 
     def _pass_key(self, kind: str) -> tuple:
         """The pass a gather serves: this backward, this forward, or the next backward."""
@@ -226,4 +226,4 @@ class FetchEngine:
                 if step is not None and step.horizon is not None:
                     step.recheck.add(pid)
         if params:
-            release(params, free_storage=True)
+            release(params, free_storage=True, pool=self._pool)

@@ -53,6 +53,8 @@ class CoordinatorStats:
     same pass (forward or backward); 0 unless reuse is off and a module runs twice, or
     a checkpointed region recomputes. ``live_high_water``: most non-persistent gathered (or
     in-flight) elements at once. ``param_gathers``: stable id -> gathers in the step.
+    ``cached_bytes``: freed full-parameter memory the coordinator keeps for the next
+    gathers (``cache_freed_storage``; see ``parts.partition.storage_pool``).
     """
 
     steps: int
@@ -78,6 +80,7 @@ class CoordinatorStats:
     trace_misses: int
     persistent_params: int
     persistent_elements: int
+    cached_bytes: int
 
     def as_dict(self) -> dict[str, Any]:
         """The stats as a plain dict."""

@@ -23,6 +23,7 @@ from torch import nn
 from parts.partition._collectives import GroupInfo, all_gather_many
 from parts.partition.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_stale, metas_sorted, stamp)
+from parts.partition.storage_pool import StoragePool
 
 __all__ = ["GatherHandle", "gather", "release"]
 
@@ -59,13 +60,13 @@ class GatherHandle:
             h.wait()
 
 
-def _launch(pairs: Pairs, info: GroupInfo, async_op: bool) -> GatherHandle:
+def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[StoragePool]) -> GatherHandle:
     """Start the all-gather of every shard straight into its full tensor; the handle finishes."""
     sends, fulls = [], []
     for _, m in pairs:
         stamp(m)  # the full tensor will hold the shards as sent now
         sends.append(m.shard.to(m.device, m.dtype, non_blocking=True))
-        fulls.append(_full_for(m))
+        fulls.append(_full_for(m, pool))
     work = all_gather_many([flat for _, flat in fulls], sends, info, async_op=async_op)
 
     def unpack() -> None:
@@ -76,25 +77,39 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool) -> GatherHandle:
     return GatherHandle(pairs, work, unpack)
 
 
-def _full_for(m: ParamMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full tensor for ``m`` (its freed storage refilled, else fresh) and its padded 1-D
-    alias of ``world_size * shard_numel`` elements, which the all-gather writes."""
+def _full_for(m: ParamMeta, pool: Optional[StoragePool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full tensor for ``m`` (its freed storage refilled, from ``pool`` if it has a block
+    that size, else fresh) and its padded 1-D alias of ``world_size * shard_numel`` elements,
+    which the all-gather writes."""
     padded = m.world_size * m.layout.shard_numel
+    nbytes = padded * m.dtype.itemsize
     kept, m.shrunk = m.shrunk, None
     if kept is None:
-        flat = alloc(padded, m.dtype, m.device)
+        flat = _from_pool(pool, nbytes, m) if pool is not None else None
+        flat = alloc(padded, m.dtype, m.device) if flat is None else flat
         return flat[:m.numel].view(m.shape), flat
     storage = kept.untyped_storage()
-    storage.resize_(padded * m.dtype.itemsize)
+    if pool is None or not pool.take_into(storage, nbytes):
+        storage.resize_(nbytes)
     # A separate tensor on the same storage: writing through it leaves the version counter
     # of the views autograd saved from ``kept`` untouched (they must see the new values).
     alias = torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (padded,))
     return kept, alias
 
 
+def _from_pool(pool: StoragePool, nbytes: int, m: ParamMeta) -> Optional[torch.Tensor]:
+    """A 1-D tensor of ``nbytes`` on a cached block of ``pool``, or None if it has none."""
+    storage = torch.UntypedStorage(0, device=m.device)
+    if not pool.take_into(storage, nbytes):
+        return None
+    return torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (nbytes // m.dtype.itemsize,))
+
+
 @internal
-def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = False) -> Optional[GatherHandle]:
-    """Make ``params`` full (``p.data`` gets the global tensor) with one group of all-gathers."""
+def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = False,
+           pool: Optional[StoragePool] = None) -> Optional[GatherHandle]:
+    """Make ``params`` full (``p.data`` gets the global tensor) with one group of all-gathers;
+    storage freed by ``release(..., pool=pool)`` is refilled from ``pool`` when it can be."""
     pairs = metas_sorted(params)
     info = common_info(pairs, group, "gather")
     todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE or is_stale(m)]
@@ -102,7 +117,7 @@ def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = F
               if m.status is ParamStatus.INFLIGHT and m.handle is not None}
     handle = GatherHandle([], joined=joined.values())
     if todo:
-        handle = _launch(todo, info, async_op)
+        handle = _launch(todo, info, async_op, pool)
         handle._joined = list(joined.values())
         for _, m in todo:
             m.status, m.handle = ParamStatus.INFLIGHT, handle
@@ -113,12 +128,14 @@ def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = F
 
 
 @internal
-def release(params: Iterable[nn.Parameter], free_storage: bool = False) -> None:
+def release(params: Iterable[nn.Parameter], free_storage: bool = False,
+            pool: Optional[StoragePool] = None) -> None:
     """Drop the full tensors of ``params`` (status NOT_AVAILABLE); waits an in-flight gather first.
 
-    With ``free_storage`` the full tensor's storage is also resized to 0 bytes (and refilled
+    With ``free_storage`` the full tensor's storage is also emptied to 0 bytes (and refilled
     by the next ``gather``), so views autograd saved in forward hold no memory meanwhile;
     a backward through such a view must gather the parameter first (the coordinator does).
+    Its memory goes to ``pool`` (for the next gather of that size) if given, else is freed.
     """
     for p, m in metas_sorted(params):
         if m.status is ParamStatus.INFLIGHT and m.handle is not None:
@@ -127,7 +144,7 @@ def release(params: Iterable[nn.Parameter], free_storage: bool = False) -> None:
             continue
         if free_storage and _owns_storage(p.data, m):
             m.shrunk = p.data
-            p.data.untyped_storage().resize_(0)
+            _empty_storage(p.data.untyped_storage(), pool)
         p.data = empty_like_released(m.dtype, m.device)
         m.status, m.handle = ParamStatus.NOT_AVAILABLE, None
 
@@ -136,3 +153,9 @@ def _owns_storage(data: torch.Tensor, m: ParamMeta) -> bool:
     """True if ``data`` is the full tensor ``gather`` made for ``m`` (nobody else's storage)."""
     return (m.numel > 0 and data.shape == m.shape and data.untyped_storage().data_ptr() == m.full_ptr
             and data.storage_offset() == 0 and data.is_contiguous())
+
+
+def _empty_storage(storage: torch.UntypedStorage, pool: Optional[StoragePool]) -> None:
+    """Leave ``storage`` with 0 bytes: its memory goes to ``pool`` if it takes it, else is freed."""
+    if pool is None or not pool.put(storage):
+        storage.resize_(0)

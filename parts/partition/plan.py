@@ -39,6 +39,7 @@ class Knobs:
     overlap_comm: bool = True
     debug: bool = False
     reduce_bucket_size: int = 5_000_000
+    cache_freed_storage: bool = True
 
     def __post_init__(self) -> None:
         for name in _INT_KNOBS:
@@ -48,7 +49,7 @@ class Knobs:
                                 f"got {type(value).__name__} {value!r}")
             if value < 0:
                 raise ValueError(f"FetchCoordinator: {name} must be >= 0, got {value}")
-        for name in ("overlap_comm", "debug"):
+        for name in ("overlap_comm", "debug", "cache_freed_storage"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FetchCoordinator: {name} must be a bool, got {getattr(self, name)!r}")
 
