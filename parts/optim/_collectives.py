@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parts._compat import all_gather_flat, reduce_scatter_flat
+from parts._compat import all_gather_direct, all_gather_flat, reduce_scatter_flat
 
 from .layout import BucketPiece
 
@@ -108,7 +108,7 @@ def gather_buckets(buckets: Sequence[Sequence[BucketPiece]], masters: Sequence[t
         part = masters[first.group].numel()
         if len(bucket) == 1 and first.start == 0 and first.stop == part:
             flat = flats[first.group]  # whole partition: gather straight into the flat buffer
-            all_gather_flat(flat, masters[first.group].to(flat.dtype), group=group)
+            all_gather_direct(flat, masters[first.group].to(flat.dtype), group=group)
             continue
         length = bucket[-1].offset + bucket[-1].stop - bucket[-1].start
         dtype, device = flats[first.group].dtype, flats[first.group].device
@@ -116,7 +116,7 @@ def gather_buckets(buckets: Sequence[Sequence[BucketPiece]], masters: Sequence[t
         for p in bucket:
             send.narrow(0, p.offset, p.stop - p.start).copy_(masters[p.group][p.start:p.stop])
         recv = torch.empty(length * world_size, dtype=dtype, device=device)
-        all_gather_flat(recv, send, group=group)
+        all_gather_direct(recv, send, group=group)
         rows = recv.view(world_size, length)
         for p in bucket:
             n = p.stop - p.start

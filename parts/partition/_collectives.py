@@ -1,6 +1,6 @@
 """Every collective of ``parts.partition``, with a byte counter the coordinator can read.
 
-Built on ``parts._compat`` (``all_gather_flat`` / ``reduce_scatter_consuming``) and
+Built on ``parts._compat`` (``all_gather_direct`` / ``reduce_scatter_consuming``) and
 ``torch.distributed.broadcast``. A process without an initialised process group is a
 world of one (collectives become local copies), unless the environment says
 ``WORLD_SIZE > 1``: then the caller forgot ``init_process_group`` and every rank would
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from parts._compat import all_gather_flat, reduce_scatter_consuming
+from parts._compat import all_gather_direct, reduce_scatter_consuming
 
 __all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather_many",
            "reduce_scatter_many", "broadcast", "broadcast_object", "Work", "WorkList"]
@@ -138,7 +138,7 @@ def all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: Gro
     """All-gather every ``ins[k]`` straight into ``outs[k]`` (no packing); counted as one call."""
     comm_counter.allgather_calls += 1
     comm_counter.allgather_bytes += sum(o.numel() * o.element_size() for o in outs)
-    return _run_many(all_gather_flat, outs, ins, info, async_op)
+    return _run_many(all_gather_direct, outs, ins, info, async_op)
 
 
 def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: GroupInfo,

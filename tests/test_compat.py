@@ -1,0 +1,37 @@
+"""parts._compat: the gloo stand-ins give exactly what the torch collectives they replace give."""
+
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+
+from harness import run
+from parts._compat import all_gather_direct, all_gather_flat
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int64]
+
+
+def body_all_gather_direct(numels, dtype_index, seed):
+    """On the world and on the group of all ranks but 0: equal to all_gather_flat, sync and async."""
+    dtype, rank, world = DTYPES[dtype_index], dist.get_rank(), dist.get_world_size()
+    rest = dist.new_group(list(range(1, world))) if world > 1 else None  # group rank r = global r + 1
+    groups = [None] + ([rest] if rank > 0 else [])
+    for group in groups:
+        size = dist.get_world_size(group)
+        for numel in numels:
+            shard = (torch.randn(numel, generator=torch.Generator().manual_seed(seed + rank)) * 100).to(dtype)
+            expected = torch.empty(size * numel, dtype=dtype)
+            all_gather_flat(expected, shard, group=group)
+            for async_op in (False, True):
+                got = torch.full((size * numel,), 7, dtype=dtype)
+                work = all_gather_direct(got, shard, group=group, async_op=async_op)
+                if async_op:
+                    work.wait()
+                assert torch.equal(got, expected), (group is None, numel, async_op)
+    return True
+
+
+@settings(max_examples=12, deadline=None)
+@given(world=st.integers(1, 4), numels=st.lists(st.integers(0, 3000), min_size=1, max_size=3),
+       dtype_index=st.integers(0, len(DTYPES) - 1), seed=st.integers(0, 2**16))
+def test_all_gather_direct_equals_all_gather(world, numels, dtype_index, seed):
+    assert run(world, body_all_gather_direct, numels, dtype_index, seed) == [True] * world
