@@ -135,6 +135,7 @@ def main() -> None:
             runs.setdefault(system, []).append(results[system])
             print(f"  round {round_no + 1}/{args.rounds} {system}: {results[system]['step']:.3f} s", flush=True)
     _print_table({system: _combine(rows) for system, rows in runs.items()}, params)
+    _print_paired(runs)
     if not args.no_overhead:
         _print_overhead()
 
@@ -168,6 +169,18 @@ def _print_table(results, params) -> None:
         ratios = [f"{row['step'] / base:.2f}" if base else "-" for base in (ddp, fsdp2)]
         print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | "
               f"{row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {_traffic(row.get('stats'), params)} |")
+
+
+def _print_paired(runs: dict) -> None:
+    """Each system's step time over DDP's in the same round: how much of a ratio is noise."""
+    if "ddp" not in runs or len(runs["ddp"]) < 2:
+        return
+    print("\nvs DDP round by round (same round, so drift in machine load cancels):")
+    for system, rows in runs.items():
+        if system != "ddp":
+            ratios = [row["step"] / base["step"] for row, base in zip(rows, runs["ddp"])]
+            print(f"  {system}: " + " ".join(f"{r:.2f}" for r in ratios)
+                  + f" (median {statistics.median(ratios):.2f})")
 
 
 def _traffic(stats, params) -> str:

@@ -73,12 +73,17 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any = dis
 
 
 def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                             group: Optional[Any] = None, async_op: bool = False) -> Any:
-    """``reduce_scatter_flat`` that may overwrite ``input`` (on gloo: an all-reduce, then a slice)."""
+                             group: Optional[Any] = None, async_op: bool = False,
+                             divide_by: int = 1) -> Any:
+    """``reduce_scatter_flat`` that may overwrite ``input`` (on gloo: an all-reduce, then a
+    slice), then divides ``output`` by ``divide_by`` (on gloo in the same pass as the slice)."""
     if dist.get_backend(group) != "gloo":
-        return reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
-    chunk = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
-    work = _SliceWhenDone(dist.all_reduce(input, op=op, group=group, async_op=True), output, chunk)
+        work = reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
+        chunk = output
+    else:
+        chunk = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+        work = dist.all_reduce(input, op=op, group=group, async_op=True)
+    work = _SliceWhenDone(work, output, chunk, divide_by)
     if async_op:
         return work
     work.wait()
@@ -86,16 +91,19 @@ def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any 
 
 
 class _SliceWhenDone:
-    """An all-reduce standing in for a reduce-scatter: ``wait()`` copies this rank's chunk out."""
+    """A reduction whose ``wait()`` then writes ``chunk / divide_by`` into ``output`` (once)."""
 
-    def __init__(self, work: Any, output: torch.Tensor, chunk: torch.Tensor) -> None:
-        self._work, self._output, self._chunk = work, output, chunk
+    def __init__(self, work: Any, output: torch.Tensor, chunk: torch.Tensor, divide_by: int) -> None:
+        self._work, self._output, self._chunk, self._divide_by = work, output, chunk, divide_by
 
     def wait(self) -> bool:
-        """Wait for the all-reduce, then copy the chunk (once)."""
+        """Wait for the collective, then copy (and divide) the chunk."""
         if self._work is not None:
             self._work.wait()
-            self._output.copy_(self._chunk)
+            if self._divide_by != 1:
+                torch.div(self._chunk, self._divide_by, out=self._output)
+            elif self._chunk is not self._output:
+                self._output.copy_(self._chunk)
             self._work = self._chunk = None
         return True
 

@@ -142,14 +142,17 @@ def all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: Gro
 
 
 def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info: GroupInfo,
-                        async_op: bool = False) -> Any:
-    """Sum every ``ins[k]`` over ranks, this rank's chunk into ``outs[k]``; counted as one call.
+                        async_op: bool = False, average: bool = False) -> Any:
+    """Sum (or with ``average`` mean) every ``ins[k]`` over ranks, this rank's chunk into
+    ``outs[k]``; counted as one call.
 
     ``ins`` may be overwritten (gloo all-reduces them in place: see ``parts._compat``).
     """
     comm_counter.reduce_scatter_calls += 1
     comm_counter.reduce_scatter_bytes += sum(i.numel() * i.element_size() for i in ins)
-    return _run_many(partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM), outs, ins, info, async_op)
+    divide_by = info.world_size if average else 1
+    collective = partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM, divide_by=divide_by)
+    return _run_many(collective, outs, ins, info, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:

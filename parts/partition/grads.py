@@ -86,12 +86,10 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: Any = None, *, a
     for p, _ in pairs:
         p.grad = None
     recvs = [alloc(m.layout.shard_numel, dtype, m.device) for _, m in pairs]
-    work = reduce_scatter_many(recvs, sends, info, async_op=async_op)
+    work = reduce_scatter_many(recvs, sends, info, async_op=async_op, average=average)
 
     def finish() -> None:
         for (_, m), part in zip(pairs, recvs):
-            if average and info.world_size > 1:
-                part.div_(info.world_size)
             _accumulate(m, part, accumulate)
 
     del sends  # the work keeps them until it is done
