@@ -30,6 +30,7 @@ from parts.partition.grads import ReduceHandle, reduce_scatter_grads, shards
 from parts.partition.layout import ShardLayout
 from parts.partition.param import ParamMeta, ParamStatus, is_partitioned, meta
 from parts.partition.state_dict import full_state_dict, load_full_state_dict
+from parts.partition.storage_pool import StoragePool
 
 from parts.partition.coordinator import (FetchCoordinator, attach, detach,
                                          register_external_parameter)
@@ -40,7 +41,7 @@ __all__ = [
     "ShardLayout",
     "partitioned", "partition_module",
     "ParamMeta", "ParamStatus", "is_partitioned", "meta",
-    "GatherHandle", "gather", "release", "gathered",
+    "GatherHandle", "gather", "release", "gathered", "StoragePool",
     "ReduceHandle", "reduce_scatter_grads", "shards",
     "full_state_dict", "load_full_state_dict",
     "CommCounter", "comm_counter",

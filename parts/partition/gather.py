@@ -4,7 +4,9 @@
 issue the same sequence) straight into the storage of its full tensor: the shard is the
 send buffer and the padded full tensor (``world_size * shard_numel`` elements, the param
 a view of its first ``numel``) the receive buffer, so nothing is packed or unpacked. The
-collectives of one call are issued back to back and counted as one call.
+collectives of one call are issued back to back and counted as one call. With a
+``StoragePool`` (``pool=``), ``release(..., free_storage=True)`` hands the freed memory to
+the pool and ``gather`` takes blocks of the right byte size from it before allocating.
 
 Fetch is idempotent: AVAILABLE params are skipped, INFLIGHT params are not requested
 again, their pending handle is joined. An AVAILABLE param whose shard changed since it

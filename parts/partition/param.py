@@ -24,6 +24,8 @@ resizes the storage of the full tensor to 0 bytes and keeps the tensor on the re
 the full tensor that autograd saved in forward (``weight.t()`` of ``F.linear``) therefore
 hold no memory while the parameter is released, and see the re-gathered values in
 backward; used before that, they raise (a storage of size 0), never read stale data.
+Given a ``StoragePool`` (the coordinator's), the freed memory goes to the pool and the
+next gather of a parameter of that byte size gets it back, instead of the allocator.
 
 Freshness. ``full_version`` is the shard's version (``shard_version``) when the full
 tensor was gathered; ``is_stale`` says the shard changed since (an optimizer stepped it
