@@ -93,7 +93,7 @@ def _free_and_refill(params, refs):
         if pool is not None:
             assert pool.cached_bytes == sum(_padded_nbytes(p) for p in params if meta(p).numel)
         gather(params, pool=pool)
-        for p, r, full, ptr in zip(params, refs, fulls, ptrs):
+        for p, r, full in zip(params, refs, fulls):
             if r.numel():  # the same storage, refilled with the gathered values
                 assert p.data.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
             assert torch.equal(full, r.data) and torch.equal(p.data, r.data), meta(p).name
