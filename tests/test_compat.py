@@ -5,7 +5,7 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from harness import run
-from parts._compat import all_gather_direct, all_gather_flat
+from parts._compat import all_gather_direct, all_gather_flat, reduce_scatter_consuming, reduce_scatter_flat
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
@@ -35,3 +35,38 @@ def body_all_gather_direct(numels, dtype_index, seed):
        dtype_index=st.integers(0, len(DTYPES) - 1), seed=st.integers(0, 2**16))
 def test_all_gather_direct_equals_all_gather(world, numels, dtype_index, seed):
     assert run(world, body_all_gather_direct, numels, dtype_index, seed) == [True] * world
+
+
+def body_reduce_scatter_consuming(numels, seed):
+    """Sum (direct exchange on gloo) and max, world and sub-group, sync and async, divided or
+    not: equal to reduce_scatter_flat on a copy. Integer values: sums are exact in any order."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rest = dist.new_group(list(range(1, world))) if world > 1 else None
+    for group in [None] + ([rest] if rank > 0 else []):
+        size = dist.get_world_size(group)
+        for numel, op, divide_by, async_op in _rs_cases(numels):
+            g = torch.Generator().manual_seed(seed + rank)
+            grad = torch.randint(-50, 50, (size * numel,), generator=g).float()
+            expected = torch.empty(numel)
+            reduce_scatter_flat(expected, grad.clone(), op=op, group=group)
+            got = torch.full((numel,), 7.0)
+            work = reduce_scatter_consuming(got, grad, op=op, group=group, async_op=async_op,
+                                            divide_by=divide_by)
+            if async_op:
+                work.wait()
+            assert torch.equal(got, expected / divide_by), (group is None, numel, op, divide_by)
+    return True
+
+
+def _rs_cases(numels):
+    for numel in numels:
+        for op, divide_by, async_op in [(dist.ReduceOp.SUM, 1, False), (dist.ReduceOp.SUM, 4, True),
+                                        (dist.ReduceOp.MAX, 1, True)]:
+            yield numel, op, divide_by, async_op
+
+
+@settings(max_examples=12, deadline=None)
+@given(world=st.integers(1, 4), numels=st.lists(st.integers(0, 3000), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_reduce_scatter_consuming_equals_reduce_scatter(world, numels, seed):
+    assert run(world, body_reduce_scatter_consuming, numels, seed) == [True] * world

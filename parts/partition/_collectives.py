@@ -46,8 +46,8 @@ class CommCounter:
 
 comm_counter = CommCounter()
 """Process-wide counter: all-gather bytes are output (full) bytes, reduce-scatter bytes input (full)
-bytes; a call is one ``*_many`` group. Logical bytes: on gloo a reduce-scatter is run as an
-all-reduce (see ``parts._compat``), which moves twice as many bytes on the wire."""
+bytes; a call is one ``*_many`` group. On gloo an all-gather is one broadcast per rank and
+a reduce-scatter a direct exchange of chunks (see ``parts._compat``): the same bytes."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def reduce_scatter_many(outs: list[torch.Tensor], ins: list[torch.Tensor], info:
     """Sum (or with ``average`` mean) every ``ins[k]`` over ranks, this rank's chunk into
     ``outs[k]``; counted as one call.
 
-    ``ins`` may be overwritten (gloo all-reduces them in place: see ``parts._compat``).
+    ``ins`` may be overwritten (by backends that reduce in place: see ``parts._compat``).
     """
     comm_counter.reduce_scatter_calls += 1
     comm_counter.reduce_scatter_bytes += sum(i.numel() * i.element_size() for i in ins)
