@@ -42,7 +42,7 @@ def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.view(world, -1)
     chunks[rank].copy_(input)
-    work = _AllDone([dist.broadcast(chunks[r], src=_global_rank(group, r), group=group, async_op=True)
+    work = WorkList([dist.broadcast(chunks[r], src=_global_rank(group, r), group=group, async_op=True)
                      for r in range(world) if chunks.shape[1]])
     if async_op:
         return work
@@ -55,17 +55,18 @@ def _global_rank(group: Optional[Any], rank: int) -> int:
     return rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
 
 
-class _AllDone:
-    """Several collectives as one: ``wait()`` waits for each."""
+class WorkList:
+    """Several collectives issued together: ``wait()`` waits for all of them. It keeps
+    ``tensors`` alive until then (an async collective must not lose its buffers)."""
 
-    def __init__(self, works: list) -> None:
-        self._works = works
+    def __init__(self, works: list, tensors: tuple = ()) -> None:
+        self._works, self._tensors = works, tensors
 
     def wait(self) -> bool:
-        """Wait for every collective."""
+        """Wait for every collective of the group, then drop the tensors."""
         for work in self._works:
             work.wait()
-        self._works = []
+        self._works, self._tensors = [], ()
         return True
 
 
@@ -102,12 +103,12 @@ def _exchange_sum(output: torch.Tensor, input: torch.Tensor, group: Optional[Any
     chunks = input.view(world, -1)
     peers = [r for r in range(world) if r != rank]
     if chunks.shape[1] == 0 or not peers:
-        return _SliceWhenDone(_AllDone([]), output, chunks[rank], divide_by)
+        return _SliceWhenDone(WorkList([]), output, chunks[rank], divide_by)
     terms = [output if r == peers[0] else chunks[r] if r == rank else torch.empty_like(output)
              for r in range(world)]
     works = [dist.isend(chunks[r], _global_rank(group, r), group=group) for r in peers]
     works += [dist.irecv(terms[r], _global_rank(group, r), group=group) for r in peers]
-    return _SumWhenDone(_AllDone(works), output, terms, divide_by)
+    return _SumWhenDone(WorkList(works), output, terms, divide_by)
 
 
 class _SumWhenDone:

@@ -10,12 +10,18 @@ from parts._compat import all_gather_direct, all_gather_flat, reduce_scatter_con
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 
 
+def _world_and_rest():
+    """The default group, then (on ranks > 0) the group of all ranks but 0, where group rank
+    r is global rank r + 1. Every rank calls ``new_group``, as torch requires."""
+    world = dist.get_world_size()
+    rest = dist.new_group(list(range(1, world))) if world > 1 else None
+    return [None] + ([rest] if dist.get_rank() > 0 else [])
+
+
 def body_all_gather_direct(numels, dtype_index, seed):
     """On the world and on the group of all ranks but 0: equal to all_gather_flat, sync and async."""
-    dtype, rank, world = DTYPES[dtype_index], dist.get_rank(), dist.get_world_size()
-    rest = dist.new_group(list(range(1, world))) if world > 1 else None  # group rank r = global r + 1
-    groups = [None] + ([rest] if rank > 0 else [])
-    for group in groups:
+    dtype, rank = DTYPES[dtype_index], dist.get_rank()
+    for group in _world_and_rest():
         size = dist.get_world_size(group)
         for numel in numels:
             shard = (torch.randn(numel, generator=torch.Generator().manual_seed(seed + rank)) * 100).to(dtype)
@@ -40,9 +46,8 @@ def test_all_gather_direct_equals_all_gather(world, numels, dtype_index, seed):
 def body_reduce_scatter_consuming(numels, seed):
     """Sum (direct exchange on gloo) and max, world and sub-group, sync and async, divided or
     not: equal to reduce_scatter_flat on a copy. Integer values: sums are exact in any order."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rest = dist.new_group(list(range(1, world))) if world > 1 else None
-    for group in [None] + ([rest] if rank > 0 else []):
+    rank = dist.get_rank()
+    for group in _world_and_rest():
         size = dist.get_world_size(group)
         for numel, op, divide_by, async_op in _rs_cases(numels):
             g = torch.Generator().manual_seed(seed + rank)

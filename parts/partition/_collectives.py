@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from parts._compat import all_gather_direct, reduce_scatter_consuming
+from parts._compat import WorkList, all_gather_direct, reduce_scatter_consuming
 
 __all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather_many",
            "reduce_scatter_many", "broadcast", "broadcast_object", "Work", "WorkList"]
@@ -100,21 +100,6 @@ class Work:
 
     def wait(self) -> bool:
         """Nothing to wait for."""
-        return True
-
-
-class WorkList:
-    """Several collectives issued together: ``wait()`` waits for all of them. It keeps their
-    tensors alive until then (an async collective must not lose its buffers)."""
-
-    def __init__(self, works: list, tensors: tuple = ()) -> None:
-        self._works, self._tensors = works, tensors
-
-    def wait(self) -> bool:
-        """Wait for every collective of the group, then drop the tensors."""
-        for work in self._works:
-            work.wait()
-        self._works, self._tensors = [], ()
         return True
 
 

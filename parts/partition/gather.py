@@ -101,8 +101,8 @@ def _full_for(m: ParamMeta, pool: Optional[StoragePool]) -> tuple[torch.Tensor, 
 
 def _from_pool(pool: StoragePool, nbytes: int, m: ParamMeta) -> Optional[torch.Tensor]:
     """A 1-D tensor of ``nbytes`` on a cached block of ``pool``, or None if it has none."""
-    storage = torch.UntypedStorage(0, device=m.device)
-    if not pool.take_into(storage, nbytes):
+    storage = pool.take(nbytes, m.device)
+    if storage is None:
         return None
     return torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (nbytes // m.dtype.itemsize,))
 

@@ -13,6 +13,8 @@ allocator does on a GPU; there the pool is not used (``accepts`` is False off th
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from parts._compat import can_swap_storage_data, swap_storage_data
@@ -21,7 +23,7 @@ __all__ = ["StoragePool"]
 
 
 class StoragePool:
-    """Freed full-parameter memory, by byte size; ``put`` when released, ``take_into`` to gather."""
+    """Freed full-parameter memory, by byte size; ``put`` when released, ``take``/``take_into`` to gather."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.UntypedStorage]] = {}
@@ -46,15 +48,20 @@ class StoragePool:
         self.cached_bytes += nbytes
         return True
 
+    def take(self, nbytes: int, device: torch.device) -> Optional[torch.UntypedStorage]:
+        """A storage holding a cached block of exactly ``nbytes`` on ``device``, or None."""
+        blocks = self._free.get(nbytes) if device.type == "cpu" else None
+        if not blocks:
+            return None
+        self.cached_bytes -= nbytes
+        return blocks.pop()
+
     def take_into(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
         """Give the empty ``storage`` a cached block of exactly ``nbytes``; False if none is free."""
-        if storage.nbytes() != 0 or not self.accepts(storage):
+        block = self.take(nbytes, storage.device) if storage.nbytes() == 0 else None
+        if block is None:
             return False
-        blocks = self._free.get(nbytes)
-        if not blocks:
-            return False
-        swap_storage_data(storage, blocks.pop())
-        self.cached_bytes -= nbytes
+        swap_storage_data(storage, block)
         return True
 
     def clear(self) -> None:
