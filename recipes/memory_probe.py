@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parts.comm import all_gather_objects
 from parts.observe import memory_usage, storage_bytes
 from parts.partition import gathered, is_partitioned, meta, partitioned
 
@@ -105,8 +106,7 @@ def probe(args: argparse.Namespace, sharded: bool) -> list[tuple]:
         release_free_heap()
         report = memory_usage(f"{mode}: {phase}", force=True)
         mine = (param_bytes(model) if model is not None else 0, report.rss_bytes)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone = all_gather_objects(mine)
         rows.append((mode, phase, everyone))
 
     measure("pre-init", None)

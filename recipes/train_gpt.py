@@ -28,6 +28,7 @@ from chardata import VOCAB_SIZE, batch, decode, encode, load_splits
 from gpt_model import GPT, GPTConfig
 from parts import io as pio
 from parts.checkpoint import checkpoint
+from parts.comm import all_gather_objects
 from parts.observe import set_mmap_threshold, snapshot
 from parts.optim import BF16Optimizer
 from parts.partition import (attach, full_state_dict, is_partitioned, load_full_state_dict, meta,
@@ -185,9 +186,7 @@ def generate(model, args) -> str:
 
 def summarize(args, stats, optimizer, train_curve, val_curve, elapsed, sample, world) -> None:
     """Sample, summary table and loss curve on rank 0."""
-    peak = [snapshot().peak_rss_bytes]
-    every = [None] * world
-    dist.all_gather_object(every, peak[0])
+    every = all_gather_objects(snapshot().peak_rss_bytes)
     if dist.get_rank() != 0:
         return
     steps = len(train_curve)

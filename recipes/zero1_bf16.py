@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from chardata import VOCAB_SIZE, batch, load_splits
 from gpt_model import GPT, GPTConfig
+from parts.comm import all_gather_objects
 from parts.observe import storage_bytes
 from parts.optim import BF16Optimizer
 
@@ -97,8 +98,7 @@ def main() -> None:
                   f"grad norm {optimizer.last_grad_norm:.3f}", flush=True)
     identical = replicas_identical(model)
     measured = model_state_bytes(model, optimizer)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, measured)
+    everyone = all_gather_objects(measured)
     if rank == 0:
         print(f"replicas bitwise identical after {args.steps} steps: {identical}")
         expected = formula(numel, world)

@@ -219,7 +219,8 @@ def launched(request, tmp_path_factory):
 def test_recipe(case: Case, launched) -> None:
     out = launched[case.name].finish()
     stderr = (launched[case.name].workdir / "stderr").read_text()
-    assert not re.search(r"Traceback|\w+Warning: ", stderr), stderr  # clean run, no Python warnings
+    # clean run, no Python warnings (but torch's own note, at import, that numpy is absent)
+    assert not re.search(r"Traceback|\w+Warning: (?!Failed to initialize NumPy)", stderr), stderr
     case.check(out, launched[case.name].workdir)
 
 

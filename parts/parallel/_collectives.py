@@ -8,6 +8,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from parts.comm import all_gather_objects
+
 __all__ = ["group_ranks", "exchange_group_ranks", "new_groups", "copy_to_tp", "reduce_from_tp",
            "all_gather_tp", "all_reduce_sum", "all_reduce_max", "group_size", "group_rank"]
 
@@ -42,8 +44,7 @@ def group_ranks(group: Optional[Any]) -> list[int]:
 
 def exchange_group_ranks(mine: Sequence[int]) -> list[list[int]]:
     """Every world rank's ``mine`` (its parent group's global ranks), deduplicated and sorted."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, list(mine))
+    everyone = all_gather_objects(list(mine))
     return sorted({tuple(ranks) for ranks in everyone})  # type: ignore[arg-type]
 
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from parts.comm import objects as comm_objects
 from parts._compat import WorkList, all_gather_direct, reduce_scatter_consuming
 
 __all__ = ["CommCounter", "comm_counter", "GroupInfo", "resolve_group", "all_gather_many",
@@ -153,6 +154,4 @@ def broadcast_object(obj: Optional[object], src: int, info: GroupInfo) -> object
     """Broadcast a picklable object from group rank ``src``; returns it on every rank."""
     if info.world_size == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=info.global_rank(src), group=info.group)
-    return box[0]
+    return comm_objects.broadcast_object(obj, src, info.group)
