@@ -186,6 +186,12 @@ class Launched:
             self.proc.wait()
 
 
+def recipe_env() -> dict[str, str]:
+    """The environment of a launched recipe: this checkout's ``parts`` first, unbuffered output."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+
+
 def launch(case: Case, workdir: Path, nproc: int | None = None) -> Launched:
     """Start ``torchrun --standalone --nproc-per-node <nproc> recipes/<script> <args>``."""
     args = [a.replace("{workdir}", str(workdir)) for a in case.args]
@@ -193,7 +199,7 @@ def launch(case: Case, workdir: Path, nproc: int | None = None) -> Launched:
                str(RECIPES / case.script), *args]
     with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
         proc = subprocess.Popen(command, cwd=workdir, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                start_new_session=True, env=recipe_env())
     return Launched(proc, workdir, time.monotonic())
 
 
