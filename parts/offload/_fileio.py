@@ -1,0 +1,143 @@
+"""Positional file IO on raw tensor memory: direct (``O_DIRECT``) or buffered, no numpy.
+
+Direct IO needs the file offset, the length and the memory address aligned to the device
+block (``ALIGN`` = 4096 covers 512- and 4096-byte devices), so it goes through an aligned
+bounce buffer (one per IO thread) and pads the last block of a file with zeros; the true
+length lives in the store's index. Buffered IO reads and writes the caller's memory
+directly. Both loop over short transfers; a write that makes no progress is a full disk,
+never a silent short write. ``OPS`` holds the system calls so a test can make them fail.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+__all__ = ["ALIGN", "OPS", "DiskFullError", "aligned_buffer", "round_up", "probe_direct",
+           "open_file", "reserve", "write_bytes", "read_bytes"]
+
+ALIGN = 4096
+OPS = SimpleNamespace(pwritev=os.pwritev, preadv=os.preadv, fallocate=getattr(os, "posix_fallocate", None))
+"""The system calls used; tests replace an entry to simulate a failing or full device."""
+
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """The store's file system could not take the bytes of a write (the message says how many)."""
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
+def aligned_buffer(nbytes: int, align: int = ALIGN) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` whose first byte is ``align``-aligned (for direct IO)."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % align
+    return raw[skip:skip + nbytes]
+
+
+def _view(t: torch.Tensor, start: int, length: int) -> memoryview:
+    """A writable memoryview of ``length`` bytes of contiguous CPU tensor ``t`` from byte ``start``."""
+    return memoryview((ctypes.c_char * length).from_address(t.data_ptr() + start)).cast("B")
+
+
+def probe_direct(directory: str) -> bool:
+    """True if files in ``directory`` accept an aligned ``O_DIRECT`` write and read."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    path = os.path.join(directory, ".direct-probe")
+    buf = aligned_buffer(ALIGN)
+    buf.fill_(7)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flag, 0o600)
+    except OSError:
+        return False
+    try:
+        return os.pwritev(fd, [_view(buf, 0, ALIGN)], 0) == ALIGN and \
+            os.preadv(fd, [_view(buf, 0, ALIGN)], 0) == ALIGN
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def open_file(path: str, direct: bool) -> int:
+    """Open (create) ``path`` for positional reads and writes, with ``O_DIRECT`` if ``direct``."""
+    flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    return os.open(path, flags, 0o600)
+
+
+def _full(path: str, nbytes: int, cause: BaseException) -> DiskFullError:
+    try:
+        st = os.statvfs(os.path.dirname(path))
+        free = f"; {st.f_bavail * st.f_frsize} bytes free there"
+    except OSError:
+        free = ""
+    err = DiskFullError(errno.ENOSPC, f"parts.offload: no space for {nbytes} bytes in {path} "
+                                      f"({type(cause).__name__}: {cause}{free})")
+    err.nbytes, err.path = nbytes, path
+    return err
+
+
+def reserve(fd: int, path: str, nbytes: int) -> None:
+    """Allocate ``nbytes`` for the file now (so a full disk fails here, not mid-write)."""
+    if OPS.fallocate is None or nbytes == 0:
+        return
+    try:
+        OPS.fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in _FULL:
+            raise _full(path, nbytes, e) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def _loop(call: Callable, fd: int, buf: torch.Tensor, length: int, offset: int, path: str,
+          writing: bool) -> None:
+    """Transfer ``length`` bytes between ``buf`` and the file at ``offset``, looping over short ones."""
+    done = 0
+    while done < length:
+        try:
+            n = call(fd, [_view(buf, done, length - done)], offset + done)
+        except OSError as e:
+            if writing and e.errno in _FULL:
+                raise _full(path, length - done, e) from e
+            raise
+        if n <= 0:
+            if writing:
+                raise _full(path, length - done, OSError(errno.ENOSPC, "write made no progress"))
+            raise OSError(errno.EIO, f"parts.offload: {path} ended {length - done} bytes early "
+                                     f"(offset {offset + done}); the store file was truncated")
+        done += n
+
+
+def write_bytes(fd: int, path: str, src: torch.Tensor, offset: int, bounce: torch.Tensor | None) -> None:
+    """Write the uint8 tensor ``src`` at ``offset``; via ``bounce`` (zero-padded to ``ALIGN``) if direct."""
+    n = src.numel()
+    if bounce is None:
+        _loop(OPS.pwritev, fd, src, n, offset, path, True)
+        return
+    padded = round_up(n)
+    bounce[:n].copy_(src)
+    bounce[n:padded].zero_()
+    _loop(OPS.pwritev, fd, bounce, padded, offset, path, True)
+
+
+def read_bytes(fd: int, path: str, dst: torch.Tensor, offset: int, bounce: torch.Tensor | None) -> None:
+    """Read ``dst.numel()`` bytes at ``offset`` into the uint8 tensor ``dst`` (via ``bounce`` if direct)."""
+    n = dst.numel()
+    if bounce is None:
+        _loop(OPS.preadv, fd, dst, n, offset, path, False)
+        return
+    _loop(OPS.preadv, fd, bounce, round_up(n), offset, path, False)
+    dst.copy_(bounce[:n])

@@ -1,0 +1,345 @@
+"""``DiskStore``: one rank's scratch store of tensors in files, with asynchronous IO.
+
+Each key is one file in a private scratch directory (``parts-store-*`` under ``path``),
+removed on ``close()``, when the store is garbage collected, and at interpreter exit.
+``write``/``read`` split a transfer into pieces of ``block_bytes`` that run on a pool of
+``threads`` IO threads (``pread``/``pwrite`` release the GIL), so several pieces are in
+the device queue at once; the caller gets an ``IOHandle`` and goes on computing. At most
+``max_inflight_bytes`` of submitted transfers are outstanding (a submit beyond it waits for
+earlier ones), so the caller's buffers pinned by IO are bounded. Memory the store itself
+holds: one aligned bounce buffer of ``block_bytes`` per IO thread in direct mode, nothing
+in buffered mode; the store never maps its files.
+
+Ordering: operations on one key run in submission order (a read after a write returns the
+written bytes; a read after a failed write raises). A write must not have its source
+modified until its handle is waited. Errors surface at ``wait()`` of the operation's
+handle and again at ``flush()``; a full disk raises ``DiskFullError`` naming the file and
+the bytes that did not fit, at submission when the space reservation fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from parts.offload import _fileio
+from parts.offload._fileio import ALIGN, DiskFullError, round_up
+
+__all__ = ["DiskStore", "IOHandle", "StoreStats", "DiskFullError"]
+
+
+@dataclass
+class StoreStats:
+    """Bytes moved and seconds spent by a store (``busy``: wall time with any IO in flight)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0  # summed over IO threads
+    write_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    wait_seconds: float = 0.0  # time callers spent blocked in IOHandle.wait()
+
+    def snapshot(self) -> "StoreStats":
+        """A copy of the counters now."""
+        return StoreStats(**self.__dict__)
+
+    def minus(self, earlier: "StoreStats") -> "StoreStats":
+        """Counters accumulated since ``earlier`` (a snapshot)."""
+        return StoreStats(**{k: getattr(self, k) - getattr(earlier, k) for k in self.__dict__})
+
+
+class _Op:
+    """One read or write of a key: pieces run on IO threads; ``finished`` is set after the last."""
+
+    def __init__(self, pieces: int, nbytes: int, key: str, after: Optional["_Op"]) -> None:
+        self.remaining, self.nbytes, self.key, self.after = pieces, nbytes, key, after
+        self.error: Optional[BaseException] = None
+        self.finished = threading.Event()
+
+
+class IOHandle:
+    """A pending store operation: ``wait()`` blocks until it is done and raises its error."""
+
+    def __init__(self, op: _Op, store: "DiskStore") -> None:
+        self._op, self._store = op, store
+
+    @property
+    def done(self) -> bool:
+        """True once every piece of the operation has finished."""
+        return self._op.finished.is_set()
+
+    def wait(self) -> None:
+        """Block until the operation is done; re-raise its error (a full disk, an IO error)."""
+        if not self._op.finished.is_set():
+            start = time.perf_counter()
+            self._op.finished.wait()
+            self._store.stats.wait_seconds += time.perf_counter() - start
+        if self._op.error is not None:
+            self._store._forget(self._op.error)
+            raise self._op.error
+
+
+@dataclass
+class _Entry:
+    file: str
+    nbytes: int
+    reserved: int = 0
+    last: Optional[_Op] = field(default=None, repr=False)
+
+
+def _remove_dir(directory: str, pid: int) -> None:
+    if os.getpid() == pid:  # a forked child does not own its parent's scratch files
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _scratch_dir(path: str) -> str:
+    """A fresh private directory under ``path`` (created if missing); a clear error if impossible."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        return tempfile.mkdtemp(prefix="parts-store-", dir=path)
+    except OSError as e:
+        raise PermissionError(f"DiskStore: cannot create scratch files under {path!r} "
+                              f"({e.strerror or e}); pass a writable directory") from e
+
+
+class DiskStore:
+    """One rank's scratch store of tensors in files under ``path``; see the module docstring."""
+
+    def __init__(self, path: str, *, threads: int = 4, max_inflight_bytes: int = 256 << 20,
+                 block_bytes: int = 8 << 20, direct: Optional[bool] = None) -> None:
+        if threads < 1 or max_inflight_bytes < 1:
+            raise ValueError(f"DiskStore: threads and max_inflight_bytes must be >= 1, got "
+                             f"{threads} and {max_inflight_bytes}")
+        if block_bytes < ALIGN or block_bytes % ALIGN:
+            raise ValueError(f"DiskStore: block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.directory = _scratch_dir(self.path)
+        self._finalizer = weakref.finalize(self, _remove_dir, self.directory, os.getpid())
+        can = _fileio.probe_direct(self.directory)
+        if direct and not can:
+            self._finalizer()
+            raise ValueError(f"DiskStore: direct IO (O_DIRECT) was asked for but the file system "
+                             f"of {self.path!r} refuses it; pass direct=None to fall back")
+        self.direct = can if direct is None else bool(direct)
+        self.threads, self.block_bytes, self.max_inflight_bytes = threads, block_bytes, max_inflight_bytes
+        self.stats = StoreStats()
+        self._index: dict[str, _Entry] = {}
+        self._lock = threading.Condition()
+        self._inflight_bytes = self._inflight_ops = 0
+        self._busy_since = 0.0
+        self._errors: list[BaseException] = []
+        self._local = threading.local()
+        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(threads, thread_name_prefix="parts-offload")
+
+    # ------------------------------------------------------------------ public API
+    def write(self, key: str, tensor: torch.Tensor) -> IOHandle:
+        """Store ``tensor``'s bytes under ``key`` (replacing them); keep ``tensor`` unchanged until waited."""
+        self._check_open("write")
+        src = _bytes_of(tensor, f"write of key {key!r}")
+        entry = self._index.get(key)
+        if entry is None:
+            entry = self._index[key] = _Entry(f"{len(self._index):08d}.bin", 0)
+        self._reserve(entry, src.numel())
+        entry.nbytes = src.numel()
+        return self._submit(entry, key, src, writing=True)
+
+    def read(self, key: str, out: torch.Tensor) -> IOHandle:
+        """Fill ``out`` (contiguous, CPU, exactly the stored byte size) with the bytes stored under ``key``."""
+        self._check_open("read")
+        entry = self._index.get(key)
+        if entry is None:
+            raise KeyError(f"DiskStore {self.directory!r}: no key {key!r}")
+        dst = _bytes_of(out, f"read of key {key!r}")
+        if dst.numel() != entry.nbytes:
+            raise ValueError(f"DiskStore: key {key!r} holds {entry.nbytes} bytes, the output tensor "
+                             f"{tuple(out.shape)} {out.dtype} has {dst.numel()}")
+        return self._submit(entry, key, dst, writing=False)
+
+    def delete(self, key: str) -> None:
+        """Forget ``key`` and remove its file (after its pending operations)."""
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return
+        if entry.last is not None:
+            entry.last.finished.wait()
+        try:
+            os.unlink(os.path.join(self.directory, entry.file))
+        except FileNotFoundError:
+            pass
+
+    def flush(self) -> None:
+        """Wait for every pending operation; raise the first error any of them met."""
+        for entry in list(self._index.values()):
+            if entry.last is not None:
+                entry.last.finished.wait()
+        if self._errors:
+            error, self._errors = self._errors[0], []
+            raise error
+
+    def close(self) -> None:
+        """Wait for pending IO, stop the IO threads and remove the scratch files (idempotent)."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        pool.shutdown(wait=True)
+        self._index.clear()
+        self._finalizer()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[str]:
+        """Stored keys, in first-write order."""
+        return list(self._index)
+
+    def nbytes(self, key: str) -> int:
+        """Bytes stored under ``key``."""
+        if key not in self._index:
+            raise KeyError(f"DiskStore {self.directory!r}: no key {key!r}")
+        return self._index[key].nbytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the store's files take on disk (reservations included)."""
+        return sum(e.reserved for e in self._index.values())
+
+    @property
+    def closed(self) -> bool:
+        """True after ``close()``."""
+        return self._pool is None
+
+    @property
+    def mode(self) -> str:
+        """How the store moves bytes: direct IO or buffered pread/pwrite."""
+        return (f"direct IO (O_DIRECT, {ALIGN}-byte aligned bounce buffers)" if self.direct
+                else "buffered pread/pwrite (page cache)")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self._index)} keys, {self.used_bytes / 2**20:.1f} MiB"
+        return (f"DiskStore({self.directory!r}, {self.mode}, {state}, threads={self.threads}, "
+                f"max_inflight_bytes={self.max_inflight_bytes}, block_bytes={self.block_bytes})")
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- internals
+    def _forget(self, error: BaseException) -> None:
+        """An error its waiter saw is not raised again by ``flush()``."""
+        with self._lock:
+            self._errors = [e for e in self._errors if e is not error]
+
+    def _check_open(self, what: str) -> None:
+        if self._pool is None:
+            raise RuntimeError(f"DiskStore {self.directory!r}: {what} after close()")
+
+    def _reserve(self, entry: _Entry, nbytes: int) -> None:
+        """Reserve the file's space now so a full disk fails at submission, naming the bytes."""
+        need = round_up(nbytes) if self.direct else nbytes
+        if need <= entry.reserved:
+            return
+        path = os.path.join(self.directory, entry.file)
+        fd = _fileio.open_file(path, False)
+        try:
+            _fileio.reserve(fd, path, need)
+        finally:
+            os.close(fd)
+        entry.reserved = need
+
+    def _submit(self, entry: _Entry, key: str, data: torch.Tensor, writing: bool) -> IOHandle:
+        n = data.numel()
+        starts = list(range(0, n, self.block_bytes))
+        op = _Op(len(starts), n, key, entry.last)
+        entry.last = op
+        self._acquire(n)
+        if not starts:
+            self._finish(op, writing, 0.0)
+        path = os.path.join(self.directory, entry.file)
+        for start in starts:
+            piece = data[start:start + self.block_bytes]
+            self._pool.submit(self._run, op, path, piece, start, writing)
+        return IOHandle(op, self)
+
+    def _acquire(self, n: int) -> None:
+        with self._lock:
+            while self._inflight_bytes and self._inflight_bytes + n > self.max_inflight_bytes:
+                self._lock.wait()
+            self._inflight_bytes += n
+            if self._inflight_ops == 0:
+                self._busy_since = time.perf_counter()
+            self._inflight_ops += 1
+
+    def _run(self, op: _Op, path: str, piece: torch.Tensor, offset: int, writing: bool) -> None:
+        """One piece on an IO thread, after the key's previous operation finished."""
+        start = time.perf_counter()
+        try:
+            if op.after is not None:
+                op.after.finished.wait()
+                if op.after.error is not None and not writing:
+                    raise OSError(f"DiskStore: key {op.key!r} cannot be read: its last write failed "
+                                  f"({op.after.error})")
+            if op.error is None:
+                self._transfer(path, piece, offset, writing)
+        except BaseException as e:  # handed to the waiter, never lost
+            op.error = op.error or e
+        self._finish(op, writing, time.perf_counter() - start)
+
+    def _transfer(self, path: str, piece: torch.Tensor, offset: int, writing: bool) -> None:
+        bounce = self._bounce() if self.direct else None
+        fd = _fileio.open_file(path, self.direct)
+        try:
+            (_fileio.write_bytes if writing else _fileio.read_bytes)(fd, path, piece, offset, bounce)
+        finally:
+            os.close(fd)
+
+    def _bounce(self) -> torch.Tensor:
+        buf = getattr(self._local, "bounce", None)
+        if buf is None:
+            buf = self._local.bounce = _fileio.aligned_buffer(self.block_bytes)
+        return buf
+
+    def _finish(self, op: _Op, writing: bool, seconds: float) -> None:
+        with self._lock:
+            if writing:
+                self.stats.write_seconds += seconds
+            else:
+                self.stats.read_seconds += seconds
+            op.remaining -= 1
+            if op.remaining > 0:
+                return
+            self._inflight_bytes -= op.nbytes
+            self._inflight_ops -= 1
+            if self._inflight_ops == 0:
+                self.stats.busy_seconds += time.perf_counter() - self._busy_since
+            if op.error is None:
+                if writing:
+                    self.stats.bytes_written += op.nbytes
+                else:
+                    self.stats.bytes_read += op.nbytes
+            else:
+                self._errors.append(op.error)
+            self._lock.notify_all()
+        op.finished.set()
+
+
+def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
+    """The bytes of contiguous CPU tensor ``t`` as a flat uint8 view; a clear error otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"DiskStore: {what} needs a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"DiskStore: {what} needs a contiguous CPU tensor, got "
+                         f"{'a non-contiguous' if t.device.type == 'cpu' else t.device} tensor {tuple(t.shape)}")
+    flat = t.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
