@@ -190,3 +190,14 @@ def test_real_file_size_limit_and_cleanup_at_exit(tmp_path):
     assert out.returncode == 0, out.stderr
     assert lines[1] == "FULL" and 0 < int(lines[2]) <= 4 << 16, out.stdout
     assert not os.path.exists(lines[0]) and os.listdir(tmp_path) == []
+
+
+def test_deleted_keys_free_their_files_and_names_are_not_reused(store):
+    store.write("a", torch.ones(3000)).wait()
+    store.write("b", torch.full((3000,), 2.0)).wait()
+    store.delete("a")
+    assert "a" not in store and len(os.listdir(store.directory)) == 1
+    store.write("c", torch.full((10,), 3.0)).wait()  # must not land in b's file
+    out = torch.empty(3000)
+    store.read("b", out).wait()
+    assert torch.equal(out, torch.full((3000,), 2.0))

@@ -133,6 +133,7 @@ class DiskStore:
         self.threads, self.block_bytes, self.max_inflight_bytes = threads, block_bytes, max_inflight_bytes
         self.stats = StoreStats()
         self._index: dict[str, _Entry] = {}
+        self._files = 0  # files ever created (names are never reused)
         self._lock = threading.Condition()
         self._inflight_bytes = self._inflight_ops = 0
         self._busy_since = 0.0
@@ -147,7 +148,8 @@ class DiskStore:
         src = _bytes_of(tensor, f"write of key {key!r}")
         entry = self._index.get(key)
         if entry is None:
-            entry = self._index[key] = _Entry(f"{len(self._index):08d}.bin", 0)
+            self._files += 1
+            entry = self._index[key] = _Entry(f"{self._files:08d}.bin", 0)
         self._reserve(entry, src.numel())
         entry.nbytes = src.numel()
         return self._submit(entry, key, src, writing=True)

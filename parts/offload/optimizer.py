@@ -1,0 +1,219 @@
+"""``OffloadedOptimizer``: any torch optimizer whose per-parameter state lives in a ``DiskStore``.
+
+Between steps the wrapped optimizer's ``state[p]`` keeps only small entries (Adam's
+``step`` counter); every state tensor shaped like its parameter (``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``, ``sum``...) is in the store. Parameters that are
+parked (``parts.offload.parking``: a partitioned shard on disk) also have their values and
+their grad there. ``step()`` walks the parameters in chunks of about ``chunk_bytes``
+(parameter, grad and state bytes) as a three-stage pipeline: the reads of chunk k+1 are
+in flight while chunk k is stepped, and chunk k's writes run while chunk k+1 is stepped;
+chunk k-1's memory is freed once its writes finished, so at most three chunks are held.
+
+The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
+so any optimizer whose update of a parameter depends only on that parameter's grad and
+state (AdamW, Adam, SGD, Adagrad, RMSprop, ... with the per-tensor or foreach kernels)
+gives bitwise the result of one in-memory step. Group options (``lr``...) stay shared, so
+LR schedulers work on this wrapper as on the plain optimizer. Optimizers that couple
+parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+
+from parts.offload import parking
+from parts.offload.plan import plan_chunks
+from parts.offload.store import DiskStore, IOHandle
+
+__all__ = ["OffloadedOptimizer"]
+
+
+class _Batch:
+    """The reads (or writes) of one chunk and what to do once they are done."""
+
+    def __init__(self) -> None:
+        self.handles: list[IOHandle] = []
+        self.after: list[Callable[[], None]] = []
+        self.keep: list[torch.Tensor] = []
+
+    def finish(self) -> None:
+        for h in self.handles:
+            h.wait()
+        for fn in self.after:
+            fn()
+        self.handles, self.after, self.keep = [], [], []
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer``; its per-parameter state tensors live in ``store`` between steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, store: DiskStore, *,
+                 chunk_bytes: int = 64 << 20, prefix: str = "optim") -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"OffloadedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(store, DiskStore):
+            raise TypeError(f"OffloadedOptimizer: store must be a parts.offload.DiskStore, got {type(store).__name__}")
+        if chunk_bytes < 1:
+            raise ValueError(f"OffloadedOptimizer: chunk_bytes must be >= 1, got {chunk_bytes}")
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self.optimizer, self.store, self.chunk_bytes, self.prefix = optimizer, store, int(chunk_bytes), prefix
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        self._patch_step_function()
+        self._offload_all()
+
+    # ----------------------------------------------------- what schedulers and users read
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The wrapped optimizer's groups."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The wrapped optimizer's in-memory state (offloaded tensors are absent: ``state_of``)."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: build the wrapped optimizer with every group first."""
+        raise NotImplementedError("OffloadedOptimizer cannot add param groups after construction; "
+                                  "build the wrapped optimizer with all groups, then wrap it")
+
+    def state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        """The full state of ``p`` (offloaded tensors read back into fresh memory)."""
+        state = dict(self.optimizer.state.get(p, {}))
+        for name, (shape, dtype) in self._placed.get(id(p), {}).items():
+            state[name] = torch.empty(shape, dtype=dtype)
+            self.store.read(self._key(p, name), state[name]).wait()
+        return state
+
+    # ------------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Step every parameter with a grad, chunk by chunk, state streamed from and to the store."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active = [p for p in self._params if p.grad is not None or parking.has_grad(p)]
+        costs = [self._cost(p) for p in active]
+        chunks = [[active[i] for i in run] for run in plan_chunks(costs, self.chunk_bytes)]
+        self._pipeline(chunks)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the grads, those of parked parameters in the store included."""
+        self.optimizer.zero_grad(set_to_none)
+        for p in self._params:
+            parking.clear_grad(p)
+
+    def _cost(self, p: torch.Tensor) -> int:
+        placed = self._placed.get(id(p))
+        states = len(placed) if placed is not None else 2
+        return p.numel() * p.element_size() * (2 + states)
+
+    def _pipeline(self, chunks: list[list[torch.Tensor]]) -> None:
+        reading = self._read(chunks[0]) if chunks else None
+        writing: Optional[_Batch] = None
+        for k, chunk in enumerate(chunks):
+            current = reading
+            reading = self._read(chunks[k + 1]) if k + 1 < len(chunks) else None
+            current.finish()
+            self._step_only(chunk)
+            previous, writing = writing, self._write(chunk)
+            if previous is not None:
+                previous.finish()
+        if writing is not None:
+            writing.finish()
+
+    def _read(self, chunk: list[torch.Tensor]) -> _Batch:
+        """Start reading the chunk's state, parked values and parked grads; finish installs them."""
+        batch = _Batch()
+        for p in chunk:
+            state = self.optimizer.state[p]
+            for name, (shape, dtype) in self._placed.get(id(p), {}).items():
+                state[name] = torch.empty(shape, dtype=dtype)
+                batch.handles.append(self.store.read(self._key(p, name), state[name]))
+            if parking.parked(p) is not None:
+                parking.prefetch(p)
+                batch.after.append(lambda p=p: parking.load(p))
+            if parking.has_grad(p):
+                grad, handle = parking.load_grad(p)
+                batch.handles.append(handle)
+                batch.after.append(lambda p=p, grad=grad: setattr(p, "grad", grad))
+        return batch
+
+    def _step_only(self, chunk: list[torch.Tensor]) -> None:
+        """Step the wrapped optimizer with only ``chunk`` visible in its groups."""
+        ids = {id(p) for p in chunk}
+        saved = [g["params"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in ids]
+        try:
+            self.optimizer.step()
+        finally:
+            for g, params in zip(self.optimizer.param_groups, saved):
+                g["params"] = params
+
+    def _write(self, chunk: list[torch.Tensor]) -> _Batch:
+        """Start writing the chunk's state (and parked values) back; finish frees their memory."""
+        batch = _Batch()
+        for p in chunk:
+            for name, t in self._offloadable(p):
+                batch.handles.append(self.store.write(self._key(p, name), t))
+                batch.keep.append(self.optimizer.state[p].pop(name))
+            if parking.parked(p) is not None:
+                batch.handles.append(parking.save(p))
+                p.grad = None
+                batch.after.append(lambda p=p: parking.drop(p))
+        return batch
+
+    def _offloadable(self, p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """State tensors of ``p`` shaped like it (recorded in ``_placed``)."""
+        out = [(name, t) for name, t in self.optimizer.state.get(p, {}).items()
+               if isinstance(t, torch.Tensor) and t.shape == p.shape and t.device.type == "cpu"]
+        self._placed[id(p)] = {name: (t.shape, t.dtype) for name, t in out}
+        return [(name, t.contiguous()) for name, t in out]
+
+    def _key(self, p: torch.Tensor, name: str) -> str:
+        return f"{self.prefix}/{self._index[id(p)]}/{name}"
+
+    def _offload_all(self) -> None:
+        """Move every state tensor now in memory to the store (after construction or a load)."""
+        batch = _Batch()
+        for p in self._params:
+            if self.optimizer.state.get(p):
+                for name, t in self._offloadable(p):
+                    batch.handles.append(self.store.write(self._key(p, name), t))
+                    batch.keep.append(self.optimizer.state[p].pop(name))
+        batch.finish()
+
+    # ------------------------------------------------------------------- state dicts
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The wrapped optimizer's ``state_dict()`` with the offloaded tensors read back in."""
+        sd = self.optimizer.state_dict()
+        for p in self._params:
+            placed = self._placed.get(id(p))
+            if placed:
+                entry = sd["state"].setdefault(self._index[id(p)], {})
+                for name, (shape, dtype) in placed.items():
+                    entry[name] = torch.empty(shape, dtype=dtype)
+                    self.store.read(self._key(p, name), entry[name]).wait()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load as the wrapped optimizer does, then move the state tensors to the store."""
+        self.optimizer.load_state_dict(state_dict)
+        self._placed.clear()
+        self._offload_all()

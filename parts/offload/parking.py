@@ -1,0 +1,153 @@
+"""Parked tensors: a tensor whose bytes live in a ``DiskStore`` while its storage is empty.
+
+``park(t, store, key)`` writes ``t`` to the store and resizes its storage to 0 bytes; the
+tensor object (its identity, shape, dtype, and the optimizer or parameter record holding
+it) stays. ``load`` refills the storage from the store (asynchronously: ``prefetch``),
+``save`` writes changed bytes back and ``drop`` empties the storage again. ``version``
+counts the saves, so code that caches a value derived from the tensor (a gathered full
+parameter) can tell it changed while the storage was empty.
+
+A parked tensor may also carry a gradient in the store (``<key>/grad``):
+``accumulate_grad`` adds into it (read, add, write), ``load_grad`` returns it,
+``clear_grad`` deletes it. These are the integration points of ``parts.partition``
+(shards on disk) and ``OffloadedOptimizer`` (which steps parked tensors chunk by chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from parts.offload.store import DiskStore, IOHandle
+
+__all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "save", "is_resident",
+           "version", "accumulate_grad", "load_grad", "has_grad", "clear_grad"]
+
+_ATTR = "_parts_parked"
+
+
+@dataclass(eq=False)
+class Parked:
+    """Where a parked tensor's bytes are and whether its storage holds them now."""
+
+    store: DiskStore
+    key: str
+    nbytes: int
+    version: int = 0
+    resident: bool = False
+    pending: Optional[IOHandle] = field(default=None, repr=False)  # a read into the storage
+    grad_dtype: Optional[torch.dtype] = None  # dtype of the stored grad (None: no grad stored)
+
+    @property
+    def grad_key(self) -> str:
+        """The store key of the tensor's gradient."""
+        return f"{self.key}/grad"
+
+
+def parked(t: torch.Tensor) -> Optional[Parked]:
+    """The ``Parked`` record of ``t``, or None for an ordinary tensor."""
+    return getattr(t, "__dict__", {}).get(_ATTR)
+
+
+def park(t: torch.Tensor, store: DiskStore, key: str) -> Parked:
+    """Write ``t`` (contiguous, CPU) to ``store`` under ``key`` and empty its storage."""
+    if parked(t) is not None:
+        raise RuntimeError(f"parts.offload: tensor {tuple(t.shape)} is already parked under "
+                           f"{parked(t).key!r}")
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes:
+        raise ValueError(f"parts.offload: park needs a tensor that owns its whole storage "
+                         f"(key {key!r}, shape {tuple(t.shape)}); pass a fresh contiguous tensor")
+    record = Parked(store, key, t.nbytes, resident=True)
+    t.__dict__[_ATTR] = record
+    store.write(key, t).wait()
+    drop(t)
+    return record
+
+
+def is_resident(t: torch.Tensor) -> bool:
+    """True if ``t``'s storage holds its bytes (loaded, or never parked)."""
+    record = parked(t)
+    return record is None or (record.resident and record.pending is None)
+
+
+def version(t: torch.Tensor) -> int:
+    """How many times ``save`` wrote ``t`` back since it was parked."""
+    return parked(t).version
+
+
+def prefetch(t: torch.Tensor) -> None:
+    """Start reading ``t``'s bytes into its (refilled) storage; no-op if resident or in flight."""
+    record = parked(t)
+    if record.resident or record.pending is not None:
+        return
+    t.untyped_storage().resize_(record.nbytes)
+    record.pending = record.store.read(record.key, t)
+
+
+def load(t: torch.Tensor) -> None:
+    """Make ``t``'s storage hold its bytes (waiting a prefetch, or reading now)."""
+    record = parked(t)
+    if record is None:
+        return
+    prefetch(t)
+    if record.pending is not None:
+        pending, record.pending = record.pending, None
+        try:
+            pending.wait()
+        except BaseException:
+            t.untyped_storage().resize_(0)
+            raise
+        record.resident = True
+
+
+def drop(t: torch.Tensor) -> None:
+    """Empty ``t``'s storage (its bytes stay in the store); waits a read in flight first."""
+    record = parked(t)
+    if record.pending is not None:
+        load(t)
+    t.untyped_storage().resize_(0)
+    record.resident = False
+
+
+def save(t: torch.Tensor) -> IOHandle:
+    """Write ``t``'s (changed) bytes back; keep its storage until the handle is waited."""
+    record = parked(t)
+    if not record.resident:
+        raise RuntimeError(f"parts.offload: save of {record.key!r}, which is not loaded")
+    record.version += 1
+    return record.store.write(record.key, t)
+
+
+def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True) -> None:
+    """Add ``part`` into ``t``'s stored grad (or store it: first grad, or ``accumulate=False``)."""
+    record = parked(t)
+    if accumulate and record.grad_dtype is not None:
+        current = torch.empty(t.shape, dtype=record.grad_dtype)
+        record.store.read(record.grad_key, current).wait()
+        current.add_(part.to(current.device))
+        part = current
+    record.grad_dtype = part.dtype
+    record.store.write(record.grad_key, part.detach().reshape(t.shape).contiguous())
+
+
+def has_grad(t: torch.Tensor) -> bool:
+    """True if a gradient of ``t`` is in the store."""
+    record = parked(t)
+    return record is not None and record.grad_dtype is not None
+
+
+def load_grad(t: torch.Tensor) -> tuple[torch.Tensor, IOHandle]:
+    """A fresh tensor and the handle of the read filling it with ``t``'s stored grad."""
+    record = parked(t)
+    grad = torch.empty(t.shape, dtype=record.grad_dtype)
+    return grad, record.store.read(record.grad_key, grad)
+
+
+def clear_grad(t: torch.Tensor) -> None:
+    """Forget ``t``'s stored grad."""
+    record = parked(t)
+    if record is not None and record.grad_dtype is not None:
+        record.store.delete(record.grad_key)
+        record.grad_dtype = None
