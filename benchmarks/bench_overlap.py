@@ -9,7 +9,7 @@
    the plain model, of parts with every parameter persistent (hooks only, no fetch) and of
    parts fetching and releasing around every call; the difference to plain divided by the
    hooked calls per step (forward and backward events of the coordinator's trace).
-2. ``prefetch_hiding``: world 2, gloo. The all-gather of ``parts.partition.gather`` is
+2. ``prefetch_hiding``: world 2, gloo. The all-gather of ``parts.partition.core.gather`` is
    replaced, inside each worker, by one that takes ``delay`` more seconds of wall time: a
    blocking call sleeps after the real one, an async call returns a handle whose ``wait()``
    returns no earlier than issue time + delay (``--link parallel``: concurrent transfers
@@ -196,7 +196,7 @@ def _hiding_worker(rank: int, world: int, port: int, cells: list, config: GPTCon
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    gather_module = importlib.import_module("parts.partition.gather")  # not the `gather` function
+    gather_module = importlib.import_module("parts.partition.core.gather")  # not the `gather` function
     real = gather_module.all_gather_many
     slow = gather_module.all_gather_many = _SlowGather(real, opts["serial"])
     try:

@@ -1,20 +1,9 @@
-"""The one place that papers over differences between torch versions (>= 2.4).
+"""The one place that papers over differences between torch versions (>= 2.4) and that
+touches torch internals.
 
-torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in
-favour of ``all_gather_single`` / ``reduce_scatter_single``; older releases only
-have the former. Every part's collectives module calls these wrappers.
-
-gloo's reduce-scatter is slower than its all-reduce of the same tensor (it blocks the
-caller while it copies: 8 MB fp32 at world 2, 15.8 ms of which 7.4 ms blocking, against
-10.0 ms and 0.1 ms for an all-reduce), and the all-reduce moves twice the bytes. So on
-gloo ``reduce_scatter_consuming`` sums by a direct exchange: every rank sends each other
-rank that rank's chunk and adds up the chunks it receives (the bytes of a reduce-scatter;
-8 MB at world 2 with page faults on fresh memory: 7.6 ms of CPU against 13.3 ms for the
-all-reduce and slice, 4.7 against 7.5 ms without).
-gloo's all-gather receives into a fresh flat buffer and then copies it out; when fresh
-pages cost page faults (freed large blocks returned to the OS) that doubles its CPU time
-(4 MB shard at world 2: 10.5 ms against 4.9 ms for one broadcast per rank straight into
-the output), so ``all_gather_direct`` broadcasts there: the same bytes on the wire.
+torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of
+``all_gather_single`` / ``reduce_scatter_single``; older releases only have the former.
+``parts.comm`` calls these wrappers (uncounted: it counts bytes itself).
 """
 
 from __future__ import annotations
@@ -24,129 +13,22 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "can_swap_storage_data", "swap_storage_data"]
+
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None,
-                    async_op: bool = False) -> Any:
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor,
+                    group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
     """All-gather equal 1-D chunks ``input`` of every rank into ``output`` (rank order)."""
     return _ALL_GATHER(output, input, group=group, async_op=async_op)
 
 
-def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None,
-                      async_op: bool = False) -> Any:
-    """``all_gather_flat`` writing straight into ``output`` (on gloo: one broadcast per rank)."""
-    if dist.get_backend(group) != "gloo":
-        return all_gather_flat(output, input, group=group, async_op=async_op)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunks = output.view(world, -1)
-    chunks[rank].copy_(input)
-    work = WorkList([dist.broadcast(chunks[r], src=_global_rank(group, r), group=group, async_op=True)
-                     for r in range(world) if chunks.shape[1]])
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
-def _global_rank(group: Optional[Any], rank: int) -> int:
-    """The global rank of ``rank`` in ``group`` (the default group: itself)."""
-    return rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
-
-
-class WorkList:
-    """Several collectives issued together: ``wait()`` waits for all of them. It keeps
-    ``tensors`` alive until then (an async collective must not lose its buffers)."""
-
-    def __init__(self, works: list, tensors: tuple = ()) -> None:
-        self._works, self._tensors = works, tensors
-
-    def wait(self) -> bool:
-        """Wait for every collective of the group, then drop the tensors."""
-        for work in self._works:
-            work.wait()
-        self._works, self._tensors = [], ()
-        return True
-
-
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                        group: Optional[Any] = None, async_op: bool = False) -> Any:
+                        group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
     """Reduce ``input`` (world_size equal chunks) across ranks; this rank's chunk lands in ``output``."""
     return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
-
-
-def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                             group: Optional[Any] = None, async_op: bool = False,
-                             divide_by: int = 1) -> Any:
-    """``reduce_scatter_flat``, then ``output`` divided by ``divide_by``; ``input`` may be
-    overwritten. On gloo a sum is a direct exchange of chunks (``_exchange_sum``), other ops
-    an all-reduce of ``input`` and a slice."""
-    if dist.get_backend(group) != "gloo":
-        work = reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
-        work = _SliceWhenDone(work, output, output, divide_by)
-    elif op == dist.ReduceOp.SUM:
-        work = _exchange_sum(output, input, group, divide_by)
-    else:
-        chunk = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
-        work = _SliceWhenDone(dist.all_reduce(input, op=op, group=group, async_op=True), output, chunk, divide_by)
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
-def _exchange_sum(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], divide_by: int) -> Any:
-    """Send every other rank its chunk of ``input``, receive this rank's chunk from each (the
-    first straight into ``output``); the handle sums them in rank order, then divides."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunks = input.view(world, -1)
-    peers = [r for r in range(world) if r != rank]
-    if chunks.shape[1] == 0 or not peers:
-        return _SliceWhenDone(WorkList([]), output, chunks[rank], divide_by)
-    terms = [output if r == peers[0] else chunks[r] if r == rank else torch.empty_like(output)
-             for r in range(world)]
-    works = [dist.isend(chunks[r], _global_rank(group, r), group=group) for r in peers]
-    works += [dist.irecv(terms[r], _global_rank(group, r), group=group) for r in peers]
-    return _SumWhenDone(WorkList(works), output, terms, divide_by)
-
-
-class _SumWhenDone:
-    """Point-to-point transfers whose ``wait()`` then sums ``terms`` into ``output`` (once)."""
-
-    def __init__(self, work: Any, output: torch.Tensor, terms: list, divide_by: int) -> None:
-        self._work, self._output, self._terms, self._divide_by = work, output, terms, divide_by
-
-    def wait(self) -> bool:
-        """Wait for the transfers, then add the terms in rank order (and divide)."""
-        if self._work is not None:
-            self._work.wait()
-            first, second, *rest = self._terms  # ``output`` is one of the first two
-            torch.add(first, second, out=self._output)
-            for term in rest:
-                self._output.add_(term)
-            if self._divide_by != 1:
-                self._output.div_(self._divide_by)
-            self._work = self._terms = None
-        return True
-
-
-class _SliceWhenDone:
-    """A reduction whose ``wait()`` then writes ``chunk / divide_by`` into ``output`` (once)."""
-
-    def __init__(self, work: Any, output: torch.Tensor, chunk: torch.Tensor, divide_by: int) -> None:
-        self._work, self._output, self._chunk, self._divide_by = work, output, chunk, divide_by
-
-    def wait(self) -> bool:
-        """Wait for the collective, then copy (and divide) the chunk."""
-        if self._work is not None:
-            self._work.wait()
-            if self._divide_by != 1:
-                torch.div(self._chunk, self._divide_by, out=self._output)
-            elif self._chunk is not self._output:
-                self._output.copy_(self._chunk)
-            self._work = self._chunk = None
-        return True
 
 
 _SWAP_DATA = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)

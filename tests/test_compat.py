@@ -5,7 +5,8 @@ import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
 from harness import run
-from parts._compat import all_gather_direct, all_gather_flat, reduce_scatter_consuming, reduce_scatter_flat
+from parts._compat import all_gather_flat, reduce_scatter_flat
+from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
 

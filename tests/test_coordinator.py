@@ -64,8 +64,10 @@ def _expected_bytes(model, persistent=frozenset()):
 
 
 def _core_full_bytes(model, persistent=frozenset()):
-    """The core counter counts full buffers: w * shard_numel * itemsize per gathered param."""
-    per = {meta(p).id: meta(p).world_size * meta(p).layout.shard_numel * 4 for p in model.parameters()}
+    """parts.comm's counter, from the tensors it moves: (w-1) * shard_numel * itemsize per
+    gathered param (parts.comm.counter's convention), counted independently of the plan."""
+    per = {meta(p).id: (meta(p).world_size - 1) * meta(p).layout.shard_numel * 4
+           for p in model.parameters()}
     return sum(b for pid, b in per.items() if pid not in persistent), sum(per.values())
 
 

@@ -1,4 +1,4 @@
-"""Pure planning logic of the fetch coordinator (parts/partition/trace.py, plan.py)."""
+"""Pure planning logic of the fetch coordinator (parts/partition/coordinator/trace.py, plan.py)."""
 
 import sys
 
@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parts.partition.coordinator_debug import (KINDS, RECORD_LEN, DebugPoint, decode,
+from parts.partition.coordinator.debug import (KINDS, RECORD_LEN, DebugPoint, decode,
                                                divergence_message, encode, ids_digest)
-from parts.partition.plan import (Knobs, build_plan, choose_evictions, collective_bytes,
+from parts.partition.coordinator.plan import (Knobs, build_plan, choose_evictions, collective_bytes,
                                   keep_after_use, next_use, prefetch_chunks, prefetch_targets,
                                   reuse_distance, select_persistent)
-from parts.partition.trace import (BACKWARD, FORWARD, TraceBook, first_divergence, phase_name,
+from parts.partition.coordinator.trace import (BACKWARD, FORWARD, TraceBook, first_divergence, phase_name,
                                    trace_digest)
 
 SETTINGS = settings(max_examples=30, deadline=None)

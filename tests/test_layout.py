@@ -63,7 +63,7 @@ def test_layout_module_does_not_import_torch_distributed():
     import ast
     import inspect
 
-    import parts.partition.layout as module
+    import parts.base.layout as module
     imported = {alias.name for node in ast.walk(ast.parse(inspect.getsource(module)))
                 if isinstance(node, (ast.Import, ast.ImportFrom))
                 for alias in getattr(node, "names", [])} | {

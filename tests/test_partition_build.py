@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from harness import run
 from parts.partition import (ParamStatus, full_state_dict, gather, gathered, is_partitioned,
                              load_full_state_dict, meta, partition_module, partitioned)
-from parts.partition.param import internal
+from parts.partition.core.param import internal
 
 
 # --------------------------------------------------------------------- test models

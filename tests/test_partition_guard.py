@@ -23,7 +23,7 @@ from torch import nn
 from parts.partition import (ParamStatus, comm_counter, full_state_dict, gather, gathered, meta,
                              partition_module, release, shards)
 from parts.partition.coordinator import attach
-from parts.partition.param import ReleasedParameter
+from parts.partition.core.param import ReleasedParameter
 from test_coordinator_models import GPT, batch, make_pair, rank_info, train_reference
 
 WORLDS = [1, 2]

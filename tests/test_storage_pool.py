@@ -7,7 +7,7 @@ from torch import nn
 
 from harness import run
 from parts.partition import gather, meta, partition_module, release
-from parts.partition.storage_pool import StoragePool
+from parts.partition.core.storage_pool import StoragePool
 
 OPS = st.lists(st.tuples(st.sampled_from(["put", "take"]), st.sampled_from([4, 12, 64])),
                min_size=1, max_size=30)

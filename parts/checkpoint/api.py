@@ -34,7 +34,7 @@ from parts.checkpoint._tree import Hole, map_tensors, tensors_with_paths
 from parts.checkpoint.policy import CheckpointPolicy
 from parts.checkpoint.rng import RNGSnapshot, replay
 from parts.checkpoint.stash import Stashed, restore, stash
-from parts.observe import accelerator_device, synchronize_accelerator
+from parts.base import accelerator_device, synchronize_accelerator
 
 _state = threading.local()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from parts.checkpoint._collectives import check_member
+from parts.comm import check_member
 from parts.checkpoint.buffers import ContiguousBuffers
 from parts.checkpoint.rng import RNGTracker
 from parts.observe import Timers

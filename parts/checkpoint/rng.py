@@ -21,8 +21,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from parts.checkpoint._collectives import group_rank
-from parts.observe import accelerator_device
+from parts.base import accelerator_device
+from parts.comm import group_info
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718
@@ -123,7 +123,7 @@ def seed_model_parallel(seed: int, group: Optional[Any] = None,
     tracker = tracker if tracker is not None else RNGTracker()
     if name in tracker:
         tracker.remove(name)
-    tracker.add(name, seed + offset + group_rank(group))
+    tracker.add(name, seed + offset + group_info(group).rank)
     return tracker
 
 

@@ -15,13 +15,12 @@ from typing import Optional
 
 import torch
 
-from parts.checkpoint._collectives import (gather_checksums, gather_shares, global_ranks,
-                                           group_rank, group_size)
+from parts.checkpoint._collectives import gather_checksums, gather_shares
 from parts.checkpoint.buffers import Slot, aligned
 from parts.checkpoint.policy import CheckpointPolicy
 from parts.checkpoint.replicas import checksum, differing_ranks, replica_error
-from parts.observe import accelerator_device
-from parts.partition import ShardLayout
+from parts.base import ShardLayout, accelerator_device
+from parts.comm import group_info
 
 
 @dataclass
@@ -69,7 +68,7 @@ def _reference(path: str, t: torch.Tensor) -> Stashed:
 def _kept_layout(t: torch.Tensor, policy: CheckpointPolicy) -> Optional[ShardLayout]:
     if policy.partition_group is None:
         return None
-    return ShardLayout(t.numel(), group_size(policy.partition_group))
+    return ShardLayout(t.numel(), group_info(policy.partition_group).world_size)
 
 
 def _kept_numel(t: torch.Tensor, policy: CheckpointPolicy) -> int:
@@ -103,7 +102,7 @@ def _copy(path: str, t: torch.Tensor, dest: tuple[torch.Tensor, Optional[Slot]],
     flat = t.detach().reshape(-1)
     layout = _kept_layout(t, policy)
     if layout is not None:
-        start, stop = layout.range(group_rank(policy.partition_group))
+        start, stop = layout.range(group_info(policy.partition_group).rank)
         flat = flat[start:stop]
     non_blocking = data.device.type == "cpu" and data.is_pinned()
     data[:flat.numel()].copy_(flat, non_blocking=non_blocking)
@@ -131,7 +130,7 @@ def restore(item: Stashed, policy: CheckpointPolicy) -> torch.Tensor:
 def check_replicated(copied: list[tuple[str, torch.Tensor]], group: object) -> None:
     """Raise naming the arguments and ranks whose values differ across ``group``."""
     local = torch.stack([checksum(t) for _, t in copied]).reshape(-1)
-    gathered = gather_checksums(local, group).view(group_size(group), len(copied), 2)
+    gathered = gather_checksums(local, group).view(-1, len(copied), 2)
     differing = differing_ranks(gathered)
     if differing:
-        raise RuntimeError(replica_error([p for p, _ in copied], differing, global_ranks(group)))
+        raise RuntimeError(replica_error([p for p, _ in copied], differing, group_info(group).global_ranks()))

@@ -1,5 +1,30 @@
-"""The communication layer below every part: object exchange (more to come: group handles, byte counter)."""
+"""parts.comm: the communication layer below every part.
 
+The one process-group handle (``GroupInfo``, ``resolve_group``/``group_info``, membership
+and world-size checks), the collectives (each counted in ``comm_counter``, one documented
+convention: see ``parts.comm.counter``), object exchange, the gloo algorithms that beat
+gloo's own, and the handles of issued collectives (``Work``, ``WorkList``). Each part keeps
+a small module of its domain collectives on top of this; nothing else in ``parts`` imports
+``torch.distributed`` (torch-version shims stay in ``parts._compat``).
+"""
+
+from parts.comm.collectives import (ReduceOp, all_gather, all_gather_list, all_gather_many,
+                                    all_reduce, broadcast, comm_device, new_group, reduce_scatter,
+                                    reduce_scatter_many)
+from parts.comm.counter import CommCounter, comm_counter, wire_bytes
 from parts.comm.objects import all_gather_objects, broadcast_object
+from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
+from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, check_member, env_world_size,
+                              global_rank, group_info, is_distributed, is_member, require_distributed,
+                              resolve_group)
+from parts.comm.work import Waitable, Work, WorkList
 
-__all__ = ["all_gather_objects", "broadcast_object"]
+__all__ = [
+    "ProcessGroup", "GroupArg", "GroupInfo", "resolve_group", "group_info", "check_member", "is_member",
+    "require_distributed", "is_distributed", "global_rank", "env_world_size",
+    "CommCounter", "comm_counter", "wire_bytes",
+    "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
+    "all_reduce", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
+    "new_group", "comm_device", "all_gather_direct", "reduce_scatter_consuming",
+    "Waitable", "Work", "WorkList",
+]

@@ -1,7 +1,7 @@
 """parts.observe: memory and time reporting (memory_usage, storage_bytes, Timers)."""
 
 from parts.observe.allocator import set_mmap_threshold, trim_allocator
-from parts.observe.device import accelerator_device, synchronize_accelerator
+from parts.base.device import accelerator_device, synchronize_accelerator
 from parts.observe.memory import MemoryReport, memory_usage, reset_peak_memory, snapshot
 from parts.observe.storage import StorageTracker, iter_tensors, storage_bytes
 from parts.observe.timers import Timer, Timers

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from parts.observe._collectives import rank as _rank
-from parts.observe.device import accelerator_device
+from parts.base.device import accelerator_device
 
 ENV_VAR = "PARTS_MEMORY_LOG"
 _KIB = 1024

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from parts.observe._collectives import min_max, rank
-from parts.observe.device import synchronize_accelerator
+from parts.base.device import synchronize_accelerator
 
 
 class Timer:

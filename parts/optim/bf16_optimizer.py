@@ -10,11 +10,12 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from . import _collectives as C
-from . import checkpoint as ckpt
+from . import state_dict as ckpt
 from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .sharded import ShardedParam, partition_api
+from parts.comm import resolve_group
 from .validation import ParamChecker, check_options
 
 __all__ = ["BF16Optimizer"]
@@ -52,7 +53,6 @@ class BF16Optimizer(torch.optim.Optimizer):
                  replicated: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"BF16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        C.check_member(group, "BF16Optimizer(group=...)")
         self.norm_groups = tuple(norm_groups)
         check_options(clip_grad=clip_grad, norm_type=norm_type, step_chunk=step_chunk,
                       allgather_bucket_size=allgather_bucket_size,
@@ -63,7 +63,8 @@ class BF16Optimizer(torch.optim.Optimizer):
         self.optimizer, self.process_group = optimizer, group
         self.clip_grad, self.norm_type = float(clip_grad), float(norm_type)
         self.grad_accum_dtype = grad_accum_dtype
-        self.world_size, self.rank = C.world_and_rank(group)
+        self.comm = resolve_group(group, "BF16Optimizer(group=...)", group_needs_init=False)
+        self.world_size, self.rank = self.comm.world_size, self.comm.rank
         plan_buckets([], allgather_bucket_size, self.world_size)  # validate before touching params
         self._counts_replicated = self._norm_group_ranks_are_zero()
         self._replicated = replicated
@@ -157,14 +158,8 @@ class BF16Optimizer(torch.optim.Optimizer):
     # -- which grads count toward the norm on this rank --------------------------------------
     def _norm_group_ranks_are_zero(self) -> bool:
         """True if this rank is rank 0 of every norm group (it counts replicated params)."""
-        zero = True
-        for i, g in enumerate(self.norm_groups):
-            size, rank = C.world_and_rank(g)
-            if size < 1 or rank < 0:
-                raise ValueError(f"BF16Optimizer: norm_groups[{i}] does not contain this process "
-                                 f"(global rank {C.global_rank()}); pass groups this rank is in")
-            zero = zero and rank == 0
-        return zero
+        self._norm_infos = C.norm_group_infos(self.norm_groups)
+        return all(info.rank == 0 for info in self._norm_infos)
 
     def _counts(self, p: torch.Tensor) -> bool:
         """Whether this rank counts ``p``'s grad in the norm."""
@@ -253,7 +248,7 @@ class BF16Optimizer(torch.optim.Optimizer):
     def _reduce_grads(self) -> None:
         for fg in self.flat_groups:
             if fg is not None:
-                C.reduce_scatter_mean(fg.part_grad, fg.grad, self.world_size, self.process_group)
+                C.reduce_scatter_mean(fg.part_grad, fg.grad, self.comm)
         for sharded in self.sharded_groups:
             for s in sharded:
                 s.master.grad = s.grad()
@@ -288,7 +283,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                 local = torch.maximum(local, n)
             else:
                 local = local + (n if p == 0 else n.pow(p))
-        return C.all_reduce_norm(local, p, self.world_size, self.process_group, self.norm_groups)
+        return C.all_reduce_norm(local, p, self.comm, self._norm_infos)
 
     def _scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor, scale: float) -> None:
         coef = torch.ones((), dtype=torch.float32)
@@ -314,8 +309,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                 fg.zero_padding()
                 masters.append(fg.master)
                 flats.append(fg.flat)
-        C.gather_buckets(self._buckets, masters, flats, self.rank, self.world_size,
-                         self.process_group)
+        C.gather_buckets(self._buckets, masters, flats, self.comm)
         for sharded in self.sharded_groups:
             for s in sharded:
                 s.write_back()

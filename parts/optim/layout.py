@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from parts.partition.layout import ShardLayout
+from parts.base.layout import ShardLayout
 
 __all__ = ["PARTITION_ALIGN", "STEP_CHUNK", "Piece", "GroupLayout", "BucketPiece", "plan_buckets",
            "source_ranges", "chunk_ranges", "counted_ranges"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import torch.distributed as dist
+from parts.comm import ProcessGroup, global_rank
 
 from . import _collectives as C
 from .layout import GridLayout
@@ -24,20 +24,20 @@ class ParallelGrid:
     ``dp_ranks`` (global ranks of this rank's groups).
     """
 
-    def __init__(self, tp: int, group: Optional[Any] = None) -> None:
+    def __init__(self, tp: int, group: Optional[ProcessGroup] = None) -> None:
         parent = C.group_ranks(group)
         parents = [parent] if group is None else C.exchange_group_ranks(parent)
         layouts = {tuple(ranks): _layout(ranks, tp, group is None) for ranks in parents}
         self.group, self.layout = group, layouts[tuple(parent)]
         mine = self._create_all(parents, layouts, tuple(parent))
         self.tp_group, self.dp_group, self.tp_ranks, self.dp_ranks = mine
-        self.dp_rank, self.tp_rank = self.layout.coords(parent.index(dist.get_rank()))
+        self.dp_rank, self.tp_rank = self.layout.coords(parent.index(global_rank()))
 
     @staticmethod
     def _create_all(parents: list, layouts: dict, mine: tuple) -> tuple:
         """Create the tp then dp groups of every parent group; keep the ones of this rank."""
         found: tuple = ()
-        me = dist.get_rank()
+        me = global_rank()
         for ranks in parents:
             layout = layouts[tuple(ranks)]
             tp_lists = [[ranks[i] for i in pos] for pos in layout.tp_groups()]

@@ -6,6 +6,10 @@ and out, ``reduce_scatter_grads`` turns full grads into fp32 grad shards, ``shar
 the shards to any torch optimizer, ``full_state_dict``/``load_full_state_dict`` move
 consolidated weights.
 
+Layers: ``core`` (records, gather, grads, sharding, state dicts), ``construction``
+(``partitioned``, ``partition_module``) and ``coordinator`` (``attach``), on ``parts.comm``
+and ``parts.base``.
+
 Example (``torchrun --nproc-per-node 2``)::
 
     import torch, torch.distributed as dist
@@ -22,20 +26,17 @@ Example (``torchrun --nproc-per-node 2``)::
     state = full_state_dict(model)             # plain state_dict keys, on rank 0
 """
 
-from parts.partition._collectives import CommCounter, comm_counter
-from parts.partition.construct import partition_module, partitioned
-from parts.partition.gather import GatherHandle, gather, release
-from parts.partition.gathered import gathered
-from parts.partition.grads import ReduceHandle, reduce_scatter_grads, shards
-from parts.partition.layout import ShardLayout
-from parts.partition.param import ParamMeta, ParamStatus, is_partitioned, meta
-from parts.partition.state_dict import full_state_dict, load_full_state_dict
-from parts.partition.storage_pool import StoragePool
-
-from parts.partition.coordinator import (FetchCoordinator, attach, detach,
-                                         register_external_parameter)
-from parts.partition.coordinator_debug import RankDivergence
-from parts.partition.coordinator_stats import CoordinatorStats
+from parts.base.layout import ShardLayout
+from parts.comm.counter import CommCounter, comm_counter
+from parts.partition.construction.construct import partition_module, partitioned
+from parts.partition.core.gather import GatherHandle, gather, release
+from parts.partition.core.gathered import gathered
+from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shards
+from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, meta
+from parts.partition.core.state_dict import full_state_dict, load_full_state_dict
+from parts.partition.core.storage_pool import StoragePool
+from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, RankDivergence, attach,
+                                         detach, register_external_parameter)
 
 __all__ = [
     "ShardLayout",

@@ -1,7 +1,7 @@
 """Counters of the fetch coordinator: kept per step, frozen into ``CoordinatorStats`` at its end.
 
 Bytes are counted from the coordinator's own calls, per rank, with the formula of
-``parts.partition.plan.collective_bytes``: gathering a parameter whose shard holds ``s``
+``parts.partition.coordinator.plan.collective_bytes``: gathering a parameter whose shard holds ``s``
 elements of ``b`` bytes over ``w`` ranks counts ``(w - 1) * s * b`` (what this rank
 receives), reduce-scattering its grad in fp32 counts ``(w - 1) * s * 4`` (what it sends).
 Parameters already gathered or in flight cost nothing. All counters are plain integers.
@@ -54,7 +54,7 @@ class CoordinatorStats:
     a checkpointed region recomputes. ``live_high_water``: most non-persistent gathered (or
     in-flight) elements at once. ``param_gathers``: stable id -> gathers in the step.
     ``cached_bytes``: freed full-parameter memory the coordinator keeps for the next
-    gathers (``cache_freed_storage``; see ``parts.partition.storage_pool``).
+    gathers (``cache_freed_storage``; see ``parts.partition.core.storage_pool``).
     """
 
     steps: int

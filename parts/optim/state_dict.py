@@ -106,8 +106,8 @@ def rank_state_dict(opt: Any) -> dict:
 
 
 def _gather_full(opt: Any, master: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
-    full = C.all_gather_partition(master, opt.world_size, opt.process_group)
-    elem = {k: C.all_gather_partition(v.reshape(-1), opt.world_size, opt.process_group)
+    full = C.all_gather_partition(master, opt.comm)
+    elem = {k: C.all_gather_partition(v.reshape(-1), opt.comm)
             for k, v in state.items() if _is_elementwise(v, master)}
     return full, elem
 
@@ -275,7 +275,7 @@ def full_param_tensor(opt: Any, p: torch.Tensor, key: Optional[str]) -> Any:
         raise KeyError(f"no optimizer state {key!r} for this parameter (before the first step?)")
     if not _is_elementwise(value, master):
         return value
-    full = C.all_gather_partition(value.reshape(-1), opt.world_size, opt.process_group)
+    full = C.all_gather_partition(value.reshape(-1), opt.comm)
     return full.narrow(0, off, _numel(shape)).view(shape).clone()
 
 
@@ -284,11 +284,11 @@ def full_grad_tensor(opt: Any, p: torch.Tensor) -> torch.Tensor:
     kind, g, i = opt._locate(p)
     if kind == "flat":
         view = opt.flat_groups[g].grad_view(i)
-        return C.all_reduce_mean(view, opt.world_size, opt.process_group)
+        return C.all_reduce_mean(view, opt.comm)
     s = opt.sharded_groups[g][i]
     grad = s.grad()
     local = grad if grad is not None else torch.zeros_like(s.master)
-    full = C.all_gather_partition(local, opt.world_size, opt.process_group)
+    full = C.all_gather_partition(local, opt.comm)
     return full.narrow(0, 0, s.numel).view(s.shape).clone()
 
 

@@ -44,8 +44,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from parts.partition._collectives import GroupInfo
-from parts.partition.layout import ShardLayout
+from parts.comm import GroupInfo
+from parts.base.layout import ShardLayout
 
 __all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "is_partitioned", "meta", "alloc",
            "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp"]
@@ -234,7 +234,7 @@ def _released_message(p: torch.Tensor, what: str) -> str:
     state = (f"still being gathered (sharded over {ranks}; wait() its GatherHandle first)"
              if m.status is ParamStatus.INFLIGHT else f"released (sharded over {ranks}; p.data is empty)")
     return (f"parts.partition: {m.describe()} is {state}; {what} cannot use it. Gather it first: "
-            f"`with parts.partition.gathered(params):`, parts.partition.gather(params), or attach a "
+            f"`with parts.partition.core.gathered(params):`, parts.partition.core.gather(params), or attach a "
             f"FetchCoordinator (for weights: parts.partition.full_state_dict)")
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
-from parts.partition.param import is_partitioned, meta
+from parts.comm import GroupArg, check_member
+from parts.partition.core.param import is_partitioned, meta
 
 __all__ = ["check_group", "check_sharded"]
 
@@ -26,14 +26,11 @@ def check_sharded(module: nn.Module, attached: Any) -> None:
                              "it inside `with parts.partition.partitioned():`")
 
 
-def check_group(module: nn.Module, group: Any) -> None:
+def check_group(module: nn.Module, group: GroupArg) -> None:
     """With an explicit ``group``: this rank must be in it and every parameter sharded over it."""
     if group is None:
         return
-    if dist.is_available() and dist.is_initialized() and dist.get_rank(group) < 0:
-        raise ValueError(f"attach: rank {dist.get_rank()} is not a member of the process group "
-                         "passed to FetchCoordinator(group=...); every rank that runs the model "
-                         "must be in the group its parameters are sharded over")
+    check_member(group, "attach: FetchCoordinator(group=...)")
     for name, p in module.named_parameters():
         if meta(p).group is not group:
             raise ValueError(f"attach: parameter '{name}' is sharded over another process group "

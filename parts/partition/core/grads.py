@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from parts.partition._collectives import reduce_scatter_many
-from parts.partition.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
+from parts.comm import reduce_scatter_many
+from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
 __all__ = ["ReduceHandle", "reduce_scatter_grads", "shards"]
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from parts.partition._collectives import GroupInfo, broadcast, broadcast_object, resolve_group
-from parts.partition.gather import gather, release
-from parts.partition.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted, stamp
-from parts.partition.sharding import write_shard
+from parts.comm import GroupInfo, broadcast, broadcast_object, resolve_group
+from parts.partition.core.gather import gather, release
+from parts.partition.core.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted, stamp
+from parts.partition.core.sharding import write_shard
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
@@ -50,7 +50,7 @@ def _partitioned_pairs(sd: Mapping[str, Any]) -> list:
 
 
 def _info(pairs: list) -> GroupInfo:
-    return pairs[0][1].info if pairs else resolve_group(None)
+    return pairs[0][1].info if pairs else resolve_group(None, "parts.partition")
 
 
 @internal
@@ -119,7 +119,7 @@ def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], str
     verdict = _verdict(own, sd, strict) if info.rank == 0 else None
     missing = [k for k in own if isinstance(own[k], torch.Tensor) and k not in sd]
     unexpected = [k for k in sd if k not in own]
-    verdict, present = broadcast_object((verdict, [k for k in own if k in sd]), 0, info)
+    verdict, present = broadcast_object((verdict, [k for k in own if k in sd]), 0, info.group)
     if verdict:
         raise RuntimeError(verdict)
     keys = {}

@@ -37,10 +37,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from parts.partition import _intercept
-from parts.partition._collectives import GroupInfo, broadcast, resolve_group
-from parts.partition.param import ParamStatus, internal, is_partitioned, meta
-from parts.partition.sharding import ShardSpec, shard_params
+from parts.partition.construction import intercept as _intercept
+from parts.comm import GroupInfo, broadcast, resolve_group
+from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
+from parts.partition.core.sharding import ShardSpec, shard_params
 
 __all__ = ["partitioned", "partition_module"]
 
@@ -78,7 +78,7 @@ def _check_available(module: nn.Module, args: Any) -> None:
             raise RuntimeError(
                 f"parts.partition: {m.describe()} is {m.status.value} in the forward of module "
                 f"'{module.__dict__.get(_NAME, '')}' ({type(module).__name__}); gather it first "
-                f"(parts.partition.gather, gathered(...), or attach a FetchCoordinator)")
+                f"(parts.partition.core.gather, gathered(...), or attach a FetchCoordinator)")
 
 
 def _check_loadable(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
@@ -262,7 +262,7 @@ class partitioned:
 
     def __enter__(self) -> "partitioned":
         group, dtype, device, remote_device, pin_memory = self._args
-        spec = (ShardSpec(resolve_group(group), dtype, device, remote_device, pin_memory)
+        spec = (ShardSpec(resolve_group(group, "parts.partition"), dtype, device, remote_device, pin_memory)
                 if self.enabled else None)
         if not _state.configs and not self.enabled:
             return self  # a plain build: nothing to patch
@@ -287,6 +287,6 @@ def partition_module(module: nn.Module, group: Any = None, *, dtype: Optional[to
     """Shard an existing module's parameters in place (rank 0's values); returns ``module``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition_module: expected an nn.Module, got {type(module).__name__}")
-    spec = ShardSpec(resolve_group(group), dtype, device, remote_device, pin_memory)
+    spec = ShardSpec(resolve_group(group, "parts.partition"), dtype, device, remote_device, pin_memory)
     _adopt(module, spec)
     return module

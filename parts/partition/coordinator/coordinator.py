@@ -31,7 +31,7 @@ waiting for their last backward use). ``persistence_threshold`` /
 ``model_persistence_threshold``: parameters of at most that many elements (smallest first,
 up to that total) are gathered at the start of the first step, all in one collective, and
 stay gathered for good. At the start of every later step those whose shard changed since
-they were gathered (an optimizer stepped it: ``parts.partition.param.is_stale``) are
+they were gathered (an optimizer stepped it: ``parts.partition.core.param.is_stale``) are
 gathered again, in one collective, so no stale full copy is ever used: one gather of them
 per optimizer step, none for steps without an update (evaluation, accumulation).
 ``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
@@ -53,18 +53,18 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from parts.partition.coordinator_checks import check_group, check_sharded
-from parts.partition.coordinator_debug import RankDivergence
-from parts.partition.coordinator_fetch import FetchEngine, ModuleCall, StepState
-from parts.partition.coordinator_hooks import (ModuleHooks, in_backward, on_backward_end,
+from parts.partition.coordinator.checks import check_group, check_sharded
+from parts.partition.coordinator.debug import RankDivergence
+from parts.partition.coordinator.fetch import FetchEngine, ModuleCall, StepState
+from parts.partition.coordinator.hooks import (ModuleHooks, in_backward, on_backward_end,
                                                register_pre_backward)
-from parts.partition.coordinator_reduce import GradReducer
-from parts.partition.coordinator_stats import CoordinatorStats, StepCounters, freeze
-from parts.partition.gather import release
-from parts.partition.param import ParamStatus, is_partitioned, is_stale, meta
-from parts.partition.plan import Knobs, select_persistent
-from parts.partition.storage_pool import StoragePool
-from parts.partition.trace import BACKWARD, FORWARD, TraceBook, phase_name, trace_digest
+from parts.partition.coordinator.reduce import GradReducer
+from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, freeze
+from parts.partition.core.gather import release
+from parts.partition.core.param import ParamStatus, is_partitioned, is_stale, meta
+from parts.partition.coordinator.plan import Knobs, select_persistent
+from parts.partition.core.storage_pool import StoragePool
+from parts.partition.coordinator.trace import BACKWARD, FORWARD, TraceBook, phase_name, trace_digest
 
 __all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
 

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from parts.partition.gather import gather, release
-from parts.partition.param import ParamStatus, in_internal, internal, is_partitioned, meta, metas_sorted
-from parts.partition.sharding import reshard
+from parts.partition.core.gather import gather, release
+from parts.partition.core.param import ParamStatus, in_internal, internal, is_partitioned, meta, metas_sorted
+from parts.partition.core.sharding import reshard
 
 __all__ = ["Interceptor", "frame", "flush", "push_frame", "pop_frame"]
 

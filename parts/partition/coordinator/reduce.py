@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parts.partition.grads import reduce_scatter_grads
-from parts.partition.plan import collective_bytes
+from parts.partition.core.grads import reduce_scatter_grads
+from parts.partition.coordinator.plan import collective_bytes
 
 __all__ = ["GradReducer"]
 

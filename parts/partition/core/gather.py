@@ -22,10 +22,10 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from parts.partition._collectives import GroupInfo, all_gather_many
-from parts.partition.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
+from parts.comm import GroupInfo, all_gather_many
+from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_stale, metas_sorted, stamp)
-from parts.partition.storage_pool import StoragePool
+from parts.partition.core.storage_pool import StoragePool
 
 __all__ = ["GatherHandle", "gather", "release"]
 

@@ -1,4 +1,4 @@
-"""The current accelerator, if any: the one place parts.observe asks torch about devices."""
+"""The current accelerator, if any: the one place parts asks torch which device computes."""
 
 from __future__ import annotations
 

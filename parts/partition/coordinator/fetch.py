@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from parts.partition.coordinator_debug import DebugPoint, check_point, ids_digest
-from parts.partition.gather import gather, release
-from parts.partition.param import ParamStatus
-from parts.partition.plan import (StepPlan, build_plan, choose_evictions, collective_bytes,
+from parts.partition.coordinator.debug import DebugPoint, check_point, ids_digest
+from parts.partition.core.gather import gather, release
+from parts.partition.core.param import ParamStatus
+from parts.partition.coordinator.plan import (StepPlan, build_plan, choose_evictions, collective_bytes,
                                   keep_after_use, next_use, prefetch_chunks, prefetch_targets)
-from parts.partition.coordinator_hooks import in_backward
-from parts.partition.trace import BACKWARD, FORWARD
+from parts.partition.coordinator.hooks import in_backward
+from parts.partition.coordinator.trace import BACKWARD, FORWARD
 
 __all__ = ["FetchEngine", "ModuleCall", "StepState"]
 

@@ -21,9 +21,9 @@ from typing import Iterable, Iterator, Optional
 
 from torch import nn
 
-from parts.partition.gather import gather, release
-from parts.partition.param import ParamStatus, internal, is_partitioned, metas_sorted
-from parts.partition.sharding import reshard
+from parts.partition.core.gather import gather, release
+from parts.partition.core.param import ParamStatus, internal, is_partitioned, metas_sorted
+from parts.partition.core.sharding import reshard
 
 __all__ = ["gathered"]
 

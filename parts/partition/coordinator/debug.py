@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
-
-from parts._compat import all_gather_flat
+from parts.comm import GroupArg, all_gather, group_info
 
 __all__ = ["RankDivergence", "DebugPoint", "encode", "decode", "divergence_message", "ids_digest",
            "exchange", "check_point"]
@@ -116,18 +114,16 @@ def divergence_message(points: Sequence[DebugPoint], names: Sequence[str]) -> st
             "ranks.")
 
 
-def exchange(values: Sequence[int], group: Any) -> list[list[int]]:
+def exchange(values: Sequence[int], group: GroupArg) -> list[list[int]]:
     """All-gather a short list of ints from every rank of ``group`` (rank order)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return [list(values)]
-    world = dist.get_world_size(group)
+    info = group_info(group, "FetchCoordinator(debug=True)")
     mine = torch.tensor(list(values), dtype=torch.int64)
-    out = torch.empty(world * mine.numel(), dtype=torch.int64)
-    all_gather_flat(out, mine, group=group)
-    return out.view(world, -1).tolist()
+    out = torch.empty(info.world_size * mine.numel(), dtype=torch.int64)
+    all_gather(out, mine, info)
+    return out.view(info.world_size, -1).tolist()
 
 
-def check_point(point: DebugPoint, names: Sequence[str], group: Any) -> None:
+def check_point(point: DebugPoint, names: Sequence[str], group: GroupArg) -> None:
     """Raise ``RankDivergence`` on every rank unless all ranks of ``group`` are at ``point``."""
     rows = exchange(encode(point), group)
     if all(row == rows[0] for row in rows):

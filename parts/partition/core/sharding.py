@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parts.partition._collectives import GroupInfo, broadcast
-from parts.partition.layout import ShardLayout
-from parts.partition.param import (ParamMeta, ParamStatus, alloc, attach_meta,
+from parts.comm import GroupInfo, broadcast
+from parts.base.layout import ShardLayout
+from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, attach_meta,
                                    empty_like_released, is_partitioned, stamp)
 
 __all__ = ["ShardSpec", "shard_params", "reshard", "write_shard"]

@@ -1,0 +1,132 @@
+"""The collectives every part builds on, each counted in ``comm_counter``.
+
+All take a ``GroupInfo`` (``parts.comm.group``); a world of one copies locally and issues
+nothing. Flat all-gathers and reduce-scatters go through the gloo algorithms of
+``parts.comm.gloo`` (torch's own collective on other backends).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parts._compat import all_gather_flat, reduce_scatter_flat
+from parts.comm.counter import comm_counter, wire_bytes
+from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
+from parts.comm.group import GroupInfo
+from parts.comm.work import Waitable, Work, WorkList
+
+__all__ = ["ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
+           "all_reduce", "broadcast", "all_gather_list",
+           "new_group", "comm_device"]
+
+ReduceOp = dist.ReduceOp
+"""The reduction ops (``ReduceOp.SUM``, ``MAX``, ``MIN``, ...)."""
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _run_many(collective: Callable, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
+              info: GroupInfo, async_op: bool) -> Optional[Waitable]:
+    """``collective(out, inp)`` per pair, issued back to back (the backend runs them in order);
+    a world of one copies. A ``WorkList`` if ``async_op``, else None once all are done."""
+    if info.world_size == 1:
+        for o, i in zip(outs, ins):
+            o.copy_(i)
+        return Work() if async_op else None
+    works = WorkList([collective(o, i, group=info.group, async_op=True) for o, i in zip(outs, ins)],
+                     (outs, ins))
+    if async_op:
+        return works
+    works.wait()
+    return None
+
+
+def all_gather_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
+                    async_op: bool = False) -> Optional[Waitable]:
+    """All-gather every ``ins[k]`` straight into ``outs[k]`` (no packing); counted as one call."""
+    comm_counter.add("allgather", wire_bytes(sum(_nbytes(i) for i in ins), info.world_size))
+    return _run_many(all_gather_direct, outs, ins, info, async_op)
+
+
+def reduce_scatter_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
+                        async_op: bool = False, average: bool = False) -> Optional[Waitable]:
+    """Sum (or with ``average`` mean) every ``ins[k]`` over ranks, this rank's chunk into
+    ``outs[k]``; counted as one call. ``ins`` may be overwritten (see ``parts.comm.gloo``)."""
+    comm_counter.add("reduce_scatter", wire_bytes(sum(_nbytes(o) for o in outs), info.world_size))
+    divide_by = info.world_size if average else 1
+    collective = partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM, divide_by=divide_by)
+    return _run_many(collective, outs, ins, info, async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, *, direct: bool = False) -> None:
+    """Every rank's equal-size 1-D ``inp`` into ``out``, in rank order; ``direct``: straight into
+    ``out`` on gloo (``parts.comm.gloo.all_gather_direct``), else torch's all-gather."""
+    if info.world_size == 1 or not direct:
+        comm_counter.add("allgather", wire_bytes(_nbytes(inp), info.world_size))
+        if info.world_size == 1:
+            out.copy_(inp)
+        else:
+            all_gather_flat(out, inp, group=info.group)
+        return
+    all_gather_many([out], [inp], info)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, *, consume: bool = False,
+                   average: bool = False) -> None:
+    """This rank's chunk of the sum (or mean) over ranks of ``inp`` into ``out``. ``consume``:
+    ``inp`` may be overwritten (gloo's direct exchange), else torch's reduce-scatter."""
+    if consume:
+        reduce_scatter_many([out], [inp], info, average=average)
+        return
+    comm_counter.add("reduce_scatter", wire_bytes(_nbytes(out), info.world_size))
+    if info.world_size == 1:
+        out.copy_(inp)
+    else:
+        reduce_scatter_flat(out, inp, op=ReduceOp.SUM, group=info.group)
+    if average:
+        out.div_(info.world_size)
+
+
+def all_reduce(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = ReduceOp.SUM) -> torch.Tensor:
+    """``t`` reduced over the group in place (returned); counted as a reduce-scatter plus an all-gather."""
+    comm_counter.add("all_reduce", 2 * wire_bytes(_nbytes(t), info.world_size) // max(info.world_size, 1))
+    if info.world_size > 1:
+        dist.all_reduce(t, op=op, group=info.group)
+    return t
+
+
+def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:
+    """Broadcast ``tensor`` in place from group rank ``src``."""
+    comm_counter.add("broadcast", _nbytes(tensor) if info.world_size > 1 else 0)
+    if info.world_size == 1 or tensor.numel() == 0:
+        return
+    dist.broadcast(tensor, src=info.global_rank(src), group=info.group)
+
+
+def all_gather_list(x: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:
+    """Every rank's ``x`` (same shape everywhere) as a list in rank order (``x`` itself alone)."""
+    if info.world_size == 1:
+        return [x]
+    comm_counter.add("allgather", wire_bytes(_nbytes(x), info.world_size))
+    out = [torch.empty_like(x) for _ in range(info.world_size)]
+    dist.all_gather(out, x, group=info.group)
+    return out
+
+
+def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """A new process group of the global ``ranks`` (every rank of the world must call it, in the same order)."""
+    return dist.new_group(ranks=list(ranks))
+
+
+def comm_device(info: GroupInfo) -> torch.device:
+    """Where the group's backend wants tensors: CPU for gloo (and no group), else the current accelerator."""
+    acc = getattr(torch, "accelerator", None)
+    if info.group is None or info.backend == "gloo" or acc is None or not acc.is_available():
+        return torch.device("cpu")
+    return acc.current_accelerator()

@@ -1,0 +1,56 @@
+"""The byte counter of every collective ``parts`` issues, with one convention.
+
+A collective over ``w`` ranks on chunks of ``c`` bytes each (all-gather: each rank's shard;
+reduce-scatter: each rank's piece of the result) counts ``(w - 1) * c``: what this rank
+receives in an all-gather and sends in a reduce-scatter, the same for every algorithm
+(ring, one broadcast per rank, direct exchange). An all-reduce of ``n`` bytes counts
+``2 * (w - 1) / w * n`` rounded down (a reduce-scatter and an all-gather); a broadcast
+counts its ``n`` bytes on every rank but a world of one. A world of one moves nothing and
+counts 0 bytes; calls are counted anyway.
+
+The counter is process-wide, like torch's own allocator statistics: it observes, it
+configures nothing, and a test or benchmark reads differences of two ``snapshot()``s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CommCounter", "comm_counter", "wire_bytes"]
+
+
+def wire_bytes(chunk_bytes: int, world_size: int) -> int:
+    """Bytes one rank moves in an all-gather or reduce-scatter of ``chunk_bytes`` per rank."""
+    return (world_size - 1) * chunk_bytes
+
+
+@dataclass
+class CommCounter:
+    """Bytes (module docstring's convention) and calls of the collectives of this process."""
+
+    allgather_bytes: int = 0
+    allgather_calls: int = 0
+    reduce_scatter_bytes: int = 0
+    reduce_scatter_calls: int = 0
+    all_reduce_bytes: int = 0
+    all_reduce_calls: int = 0
+    broadcast_bytes: int = 0
+    broadcast_calls: int = 0
+
+    def add(self, kind: str, nbytes: int, calls: int = 1) -> None:
+        """Count ``calls`` collectives of ``kind`` ("allgather", "reduce_scatter", ...) moving ``nbytes``."""
+        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
+        setattr(self, f"{kind}_calls", getattr(self, f"{kind}_calls") + calls)
+
+    def reset(self) -> None:
+        """Zero every counter (e.g. at the start of a step)."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters as a plain dict."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+comm_counter = CommCounter()
+"""The counter of this process (see the module docstring for what a byte is)."""
