@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from parts.comm import (GroupArg, GroupInfo, ProcessGroup, ReduceOp, all_gather_list, all_gather_objects,
+from parts.comm import (GroupArg, ProcessGroup, ReduceOp, all_gather_list, all_gather_objects,
                         all_reduce, group_info, new_group, require_distributed)
 
 __all__ = ["group_ranks", "exchange_group_ranks", "new_groups", "copy_to_tp", "reduce_from_tp",
