@@ -35,12 +35,19 @@ def decode(tokens: torch.Tensor) -> str:
     return bytes(tokens.tolist()).decode("ascii", errors="replace")
 
 
-def load_splits(path: Optional[str], val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encoded train and validation tokens from ``path`` or from the standard library."""
+def load_splits(path: Optional[str], val_fraction: float = 0.1,
+                chunk_chars: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoded train and validation tokens from ``path`` or from the standard library.
+
+    Every tenth ``chunk_chars`` chunk is held out for validation, so both splits sample the
+    same mix of files (a contiguous tail would validate on a few files unlike the rest).
+    """
     text = Path(path).read_text(encoding="utf-8", errors="replace") if path else stdlib_text()
-    tokens = encode(text)
-    split = int(len(tokens) * (1 - val_fraction))
-    return tokens[:split], tokens[split:]
+    chunks = encode(text).split(chunk_chars)
+    every = max(2, round(1 / val_fraction))
+    val = [chunk for index, chunk in enumerate(chunks) if index % every == every - 1]
+    train = [chunk for index, chunk in enumerate(chunks) if index % every != every - 1]
+    return torch.cat(train), torch.cat(val)
 
 
 def batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):

@@ -21,6 +21,8 @@ class Progress:
         done = int(self.width * step / max(self.total, 1))
         bar = "#" * done + "." * (self.width - done)
         text = "  ".join(f"{key} {value}" for key, value in fields.items())
+        if 0 < step < self.total:
+            text += f"  ETA {clock(self.elapsed() * (self.total - step) / step)}"
         end = "\n" if step == self.total or not tty else ""
         print(f"\r[{bar}] {step}/{self.total}  {text}", end=end, flush=True)
 
@@ -31,6 +33,12 @@ class Progress:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
+
+
+def clock(seconds: float) -> str:
+    """``seconds`` as m:ss."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes}:{secs:02d}"
 
 
 def table(rows: Sequence[tuple[str, str]]) -> str:
@@ -64,3 +72,32 @@ def plot_losses(path: str, train: Sequence[tuple[int, float]],
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def _matmul_seconds(dtype, size: int = 256, repeats: int = 20) -> float:
+    """Median time of one ``size`` x ``size`` matmul in ``dtype`` on the CPU."""
+    import torch
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fastest_dtype() -> tuple[str, str]:
+    """``("bf16" | "fp32", why)``: bf16 where this hardware computes it faster than fp32.
+
+    On an accelerator: bf16 where it supports it. On a CPU, measured: CPUs with bf16 units
+    (AVX-512 BF16, AMX) run bf16 matmuls faster than fp32, CPUs without them many times slower.
+    """
+    import torch
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None:
+        supported = acc.type != "cuda" or torch.cuda.is_bf16_supported()
+        return ("bf16", f"{acc.type} supports bf16") if supported else ("fp32", f"{acc.type} lacks bf16")
+    _matmul_seconds(torch.bfloat16, repeats=3)  # warm up both kernels
+    ratio = _matmul_seconds(torch.float32) / _matmul_seconds(torch.bfloat16)
+    verdict = "bf16" if ratio > 1.0 else "fp32"
+    return verdict, f"a bf16 matmul runs {ratio:.2f}x the speed of fp32 on this CPU"

@@ -28,7 +28,7 @@ from chardata import VOCAB_SIZE, batch, decode, encode, load_splits
 from gpt_model import GPT, GPTConfig
 from parts import io as pio
 from parts.checkpoint import checkpoint
-from parts.comm import all_gather_objects
+from parts.comm import all_gather_objects, broadcast_object
 from parts.observe import set_mmap_threshold, snapshot
 from parts.optim import BF16Optimizer
 from parts.partition import (attach, full_state_dict, is_partitioned, load_full_state_dict, meta,
@@ -42,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--data", default=None, help="a text file to train on (default: stdlib sources)")
-    add("--dtype", choices=sorted(DTYPES), default="bf16")
+    add("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+        help="compute dtype (auto: bf16 where this hardware runs it faster than fp32)")
     add("--n-layer", type=int, default=4)
     add("--n-head", type=int, default=4)
     add("--n-embd", type=int, default=96)
@@ -68,6 +69,13 @@ def parse_args() -> argparse.Namespace:
     add("--mmap-threshold", type=int, default=128 * 1024,
         help="bytes: larger host allocations are mmapped, so freed shards leave RSS (0: glibc default)")
     return ap.parse_args()
+
+
+def choose_dtype(requested: str) -> tuple[str, str]:
+    """The dtype every rank trains in and why (rank 0 measures, so all ranks agree)."""
+    if requested != "auto":
+        return requested, "--dtype " + requested
+    return broadcast_object(report.fastest_dtype() if dist.get_rank() == 0 else None, src=0)
 
 
 def build(args: argparse.Namespace):
@@ -141,12 +149,13 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if args.mmap_threshold:
         set_mmap_threshold(args.mmap_threshold)
+    args.dtype, why = choose_dtype(args.dtype)
     model, coordinator, optimizer, schedule = build(args)
     train_tokens, val_tokens = load_splits(args.data)
     start = resume(args.out, model, optimizer, schedule) if args.resume else 0
     params = sum(meta(p).numel if is_partitioned(p) else p.numel() for p in model.parameters())
     progress = report.Progress(args.steps, enabled=rank == 0)
-    progress.note(f"GPT {params / 1e6:.2f}M params, {args.dtype}, world {world}, "
+    progress.note(f"GPT {params / 1e6:.2f}M params, {args.dtype} ({why}), world {world}, "
                   f"{len(train_tokens):,} training chars, steps {start + 1}..{start + args.steps}")
     generator = torch.Generator().manual_seed(args.seed + 7919 * rank + start)
     train_curve, val_curve = [], [(start, evaluate(model, val_tokens, args))]

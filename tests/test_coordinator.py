@@ -34,6 +34,14 @@ def test_world1_is_bitwise_equal_to_unsharded():
     assert stats.trace_outcome == "replayed" and stats.trace_misses == 0
 
 
+def test_stats_repr_fits_on_a_few_lines():
+    stats = run(1, _equivalence, 2, persistence_threshold=0)[0][-1]
+    text = repr(stats)
+    assert len(stats.param_gathers) > 10  # the per-parameter dict is summarised, not printed
+    assert text.count("\n") <= 6 and max(map(len, text.splitlines())) <= 140, text
+    assert f"{stats.allgather_bytes:,} B" in text and f"trace {stats.trace_outcome}" in text
+
+
 @pytest.mark.parametrize("world, knobs", [
     (2, dict(persistence_threshold=0)),  # params kept from forward to backward (default reuse)
     (4, dict(persistence_threshold=0, max_reuse_distance=0)),  # released after each use

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -192,11 +194,16 @@ def recipe_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
-def launch(case: Case, workdir: Path, nproc: int | None = None) -> Launched:
-    """Start ``torchrun --standalone --nproc-per-node <nproc> recipes/<script> <args>``."""
-    args = [a.replace("{workdir}", str(workdir)) for a in case.args]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc or case.nproc),
-               str(RECIPES / case.script), *args]
+def launch(case: Case, workdir: Path, nproc: int | None = None, rendezvous: tuple[str, ...] = (),
+           shared: Path | None = None) -> Launched:
+    """Start ``torchrun --standalone --nproc-per-node <nproc> recipes/<script> <args>``.
+
+    With ``rendezvous`` (torchrun's multi-machine flags) instead of ``--standalone``; output
+    goes to ``workdir``, files the recipe writes to ``shared`` (default: ``workdir``).
+    """
+    args = [a.replace("{workdir}", str(shared or workdir)) for a in case.args]
+    placement = rendezvous or ("--standalone", "--nproc-per-node", str(nproc or case.nproc))
+    command = [sys.executable, "-m", "torch.distributed.run", *placement, str(RECIPES / case.script), *args]
     with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
         proc = subprocess.Popen(command, cwd=workdir, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=recipe_env())
@@ -211,11 +218,32 @@ def selected_case(item: pytest.Item) -> Case | None:
     return callspec.params.get("case")
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_two_machines(case: Case, shared: Path) -> list[Launched]:
+    """``case`` as two one-process launchers meeting through a c10d rendezvous: two "machines"."""
+    flags = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-machines")
+    nodes = [shared / f"node{index}" for index in range(2)]
+    for node in nodes:
+        node.mkdir()
+    return [launch(case, node, rendezvous=flags, shared=shared) for node in nodes]
+
+
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
-    """Every selected recipe, all started at once."""
+    """Every selected recipe, all started at once (train_gpt also on two "machines")."""
     selected = {case.name for case in map(selected_case, request.session.items) if case is not None}
     runs = {c.name: launch(c, tmp_path_factory.mktemp(c.name)) for c in CASES if c.name in selected}
+    if "train_gpt" in selected:
+        train_gpt = next(c for c in CASES if c.name == "train_gpt")
+        for index, node in enumerate(launch_two_machines(train_gpt, tmp_path_factory.mktemp("machines"))):
+            runs[f"train_gpt_node{index}"] = node
     yield runs
     for run in runs.values():
         run.kill()
@@ -230,16 +258,39 @@ def test_recipe(case: Case, launched) -> None:
     case.check(out, launched[case.name].workdir)
 
 
-def test_train_gpt_resumes_at_another_world_size(launched) -> None:
+def summary_rows(out: str) -> dict[str, str]:
+    """The summary table's loss rows of a train_gpt run."""
+    return dict(rows(r"^((?:train|validation) loss)\s+(.+)$", out))
+
+
+def test_train_gpt_on_two_machines_equals_one(launched) -> None:
+    """torchrun --nnodes 2 (two launchers, c10d rendezvous) trains exactly as --standalone does."""
+    import parts.io as pio
+    if "train_gpt" not in launched:
+        pytest.skip("the train_gpt case was not selected")
+    single = launched["train_gpt"]
+    single_out = single.finish()
+    nodes_out = "".join(launched[f"train_gpt_node{i}"].finish() for i in range(2))
+    assert summary_rows(nodes_out) == summary_rows(single_out) and summary_rows(single_out), nodes_out
+    shared = launched["train_gpt_node0"].workdir.parent
+    check_train_gpt(nodes_out, shared)
+    ours, theirs = pio.load(shared / "gpt.ckpt"), pio.load(single.workdir / "gpt.ckpt")
+    assert ours["model"].keys() == theirs["model"].keys()
+    assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in ours["model"])
+    assert ours["step"] == theirs["step"] == 6
+
+
+def test_train_gpt_resumes_at_another_world_size(launched, tmp_path) -> None:
     """The world-2 checkpoint of the train_gpt case continues at world 3 from step 6."""
     import parts.io as pio
     first = launched.get("train_gpt")
     if first is None:
         pytest.skip("the train_gpt case was not selected")
     first.finish()
+    shutil.copy(first.workdir / "gpt.ckpt", tmp_path / "gpt.ckpt")
     resume = Case("train_gpt_resume", "train_gpt.py",
                   ("--resume", *TRAIN_GPT_TINY[:1], "2", *TRAIN_GPT_TINY[2:]), check_train_gpt)
-    out = launch(resume, first.workdir, nproc=3).finish()
+    out = launch(resume, tmp_path, nproc=3).finish()
     assert "steps 7..8" in out, out
-    manifest = pio.read_manifest(first.workdir / "gpt.ckpt")
+    manifest = pio.read_manifest(tmp_path / "gpt.ckpt")
     assert (manifest["world_size"], manifest["step"]) == (3, 8)

@@ -82,6 +82,23 @@ class CoordinatorStats:
     persistent_elements: int
     cached_bytes: int
 
+    def __repr__(self) -> str:
+        """A few lines: the step's traffic, fetches, memory and trace (``param_gathers`` summarised)."""
+        gathers = sum(self.param_gathers.values())
+        return (f"CoordinatorStats(step {self.steps}, {self.phase}:\n"
+                f"  all-gathered {self.allgather_bytes:,} B in {self.allgather_calls} calls, "
+                f"reduce-scattered {self.reduce_scatter_bytes:,} B in {self.reduce_scatter_calls} calls\n"
+                f"  fetches {self.fetches} (on demand {self.on_demand_fetches}, prefetch hits "
+                f"{self.prefetch_hits}, resident {self.resident_hits})\n  params gathered "
+                f"{self.gathered_params} (prefetched {self.prefetched_params}, regathered "
+                f"{self.regathered_params}, evicted {self.evicted_params}); {gathers} gathers over "
+                f"{len(self.param_gathers)} params\n"
+                f"  live high-water {self.live_high_water:,} elements, persistent "
+                f"{self.persistent_params} params / {self.persistent_elements:,} elements "
+                f"({self.persistent_gathers} gathers), cached {self.cached_bytes:,} B\n"
+                f"  trace {self.trace_outcome}, {self.trace_events} events, {self.trace_misses} misses, "
+                f"digest {self.trace_digest[:12]})")
+
     def as_dict(self) -> dict[str, Any]:
         """The stats as a plain dict."""
         return asdict(self)
