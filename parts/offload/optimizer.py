@@ -50,6 +50,8 @@ class _Batch:
 class OffloadedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer``; its per-parameter state tensors live in ``store`` between steps."""
 
+    drives_parked_tensors = True  # parking's plain-optimizer guard lets this one through
+
     def __init__(self, optimizer: torch.optim.Optimizer, store: DiskStore, *,
                  chunk_bytes: int = 64 << 20, prefix: str = "optim") -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -160,9 +162,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         saved = [g["params"] for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:
             g["params"] = [p for p in g["params"] if id(p) in ids]
+        parking.driver.active = True
         try:
             self.optimizer.step()
         finally:
+            parking.driver.active = False
             for g, params in zip(self.optimizer.param_groups, saved):
                 g["params"] = params
 

@@ -9,16 +9,20 @@ parameter) can tell it changed while the storage was empty.
 
 A parked tensor may also carry a gradient in the store (``<key>/grad``):
 ``accumulate_grad`` adds into it (read, add, write), ``load_grad`` returns it,
-``clear_grad`` deletes it. These are the integration points of ``parts.partition``
+``clear_grad`` deletes it. Once anything is parked, a global optimizer pre-step hook makes a
+plain torch optimizer that would step a parked tensor raise (it would see no grad and
+silently skip it); ``OffloadedOptimizer`` sets ``driver.active`` around its own steps. These are the integration points of ``parts.partition``
 (shards on disk) and ``OffloadedOptimizer`` (which steps parked tensors chunk by chunk).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from parts.offload.store import DiskStore, IOHandle
 
@@ -51,8 +55,39 @@ def parked(t: torch.Tensor) -> Optional[Parked]:
     return getattr(t, "__dict__", {}).get(_ATTR)
 
 
+class _Driver(threading.local):
+    """Set while ``OffloadedOptimizer`` runs the wrapped optimizer's step (on this thread)."""
+
+    active = False
+
+
+driver = _Driver()
+_guard: dict = {}
+
+
+def _refuse_plain_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer pre-step hook: a plain optimizer must not step parked tensors."""
+    if driver.active or getattr(optimizer, "drives_parked_tensors", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            record = parked(p)
+            if record is not None:
+                raise RuntimeError(
+                    f"parts.offload: {type(optimizer).__name__}.step() on tensor {tuple(p.shape)} "
+                    f"parked in a DiskStore (key {record.key!r}): its values and grads are on disk, "
+                    f"so this step would silently skip it; wrap the optimizer: "
+                    f"parts.offload.OffloadedOptimizer(optimizer, store)")
+
+
+def _install_guard() -> None:
+    if "handle" not in _guard:
+        _guard["handle"] = register_optimizer_step_pre_hook(_refuse_plain_step)
+
+
 def park(t: torch.Tensor, store: DiskStore, key: str) -> Parked:
     """Write ``t`` (contiguous, CPU) to ``store`` under ``key`` and empty its storage."""
+    _install_guard()
     if parked(t) is not None:
         raise RuntimeError(f"parts.offload: tensor {tuple(t.shape)} is already parked under "
                            f"{parked(t).key!r}")

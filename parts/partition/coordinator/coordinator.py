@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from parts.partition.core import disk
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence
 from parts.partition.coordinator.fetch import FetchEngine, ModuleCall, StepState
@@ -142,6 +143,7 @@ class FetchCoordinator(FetchEngine, GradReducer):
                     self._sets[index].append(pid)
                 self._by_id[pid] = p
         self._recs = {pid: meta(p) for pid, p in self._by_id.items()}
+        self._any_parked = any(disk.parked_version(m.shard) is not None for m in self._recs.values())
         self._pids = {id(p): pid for pid, p in self._by_id.items()}
         self._sizes = {pid: m.numel for pid, m in self._recs.items()}
         self._persistent = select_persistent(self._sizes, self.knobs.persistence_threshold,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from parts.partition.core import disk
 from parts.partition.coordinator.debug import DebugPoint, check_point, ids_digest
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus
@@ -146,6 +147,10 @@ class FetchEngine:
             self._counters.live_high_water = max(self._counters.live_high_water, self._live_total)
 
     def _prefetch(self, step: StepState) -> None:
+        if self._any_parked:  # shards on disk: their reads run ahead of the gathers (disk.py)
+            disk.read_ahead(self._recs, step.plan, step.position,
+                            disk.READ_AHEAD_FACTOR * self.knobs.prefetch_bucket_size,
+                            lambda pid: self._recs[pid].status is not _NOT_AVAILABLE)
         if step.horizon == len(step.plan) and not step.recheck:
             return  # the whole rest of the trace is covered already
 

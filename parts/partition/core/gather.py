@@ -22,6 +22,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from parts.partition.core import disk
 from parts.comm import GroupInfo, all_gather_many
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_stale, metas_sorted, stamp)
@@ -67,12 +68,14 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
     sends, fulls = [], []
     for _, m in pairs:
         stamp(m)  # the full tensor will hold the shards as sent now
+        disk.load_for_send(m.shard)
         sends.append(m.shard.to(m.device, m.dtype, non_blocking=True))
         fulls.append(_full_for(m, pool))
     work = all_gather_many([flat for _, flat in fulls], sends, info, async_op=async_op)
 
     def unpack() -> None:
         for (p, m), (full, _) in zip(pairs, fulls):
+            disk.after_send(m.shard)
             p.data = full
             m.full_ptr = full.untyped_storage().data_ptr()
 

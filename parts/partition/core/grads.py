@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from parts.partition.core import disk
 from parts.comm import reduce_scatter_many
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
@@ -101,6 +102,8 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: Any = None, *, a
 
 def _accumulate(m: Any, part: torch.Tensor, accumulate: bool) -> None:
     """Add (or copy) ``part`` into the grad shard; ``part`` becomes the grad shard if there is none."""
+    if disk.accumulate_grad(m.shard, part, accumulate):
+        return
     current = m.grad_shard
     if current is None:
         m.grad_shard = part.to(m.shard.device)

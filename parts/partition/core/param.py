@@ -44,6 +44,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from parts.partition.core import disk
 from parts.comm import GroupInfo
 from parts.base.layout import ShardLayout
 
@@ -173,6 +174,9 @@ def attach_meta(p: nn.Parameter, record: ParamMeta) -> None:
 def shard_version(record: ParamMeta) -> tuple:
     """Identity, version counter and storage of the shard: changes when anything writes it."""
     shard = record.shard
+    parked = disk.parked_version(shard)
+    if parked is not None:  # a shard on disk: its storage comes and goes, its saves are counted
+        return id(shard), parked
     try:
         return id(shard), shard._version, shard.data_ptr()
     except RuntimeError:  # an inference tensor has no version counter: never assume it is current

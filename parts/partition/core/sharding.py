@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from parts.partition.core import disk
 from parts.comm import GroupInfo, broadcast
 from parts.base.layout import ShardLayout
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, attach_meta,
@@ -37,7 +38,7 @@ class ShardSpec:
     info: GroupInfo
     dtype: Optional[torch.dtype] = None
     device: Optional[torch.device] = None
-    remote_device: Optional[torch.device] = None
+    remote_device: Optional[Any] = None  # a device, or a parts.offload.DiskStore (partition/core/disk.py)
     pin_memory: bool = False
 
     def __post_init__(self) -> None:
@@ -54,7 +55,9 @@ class ShardSpec:
         return torch.device(self.device) if self.device is not None else p.device
 
     def storage_device(self, p: torch.Tensor) -> torch.device:
-        """Where the shard lives (``remote_device``, else the compute device)."""
+        """Where the shard lives (``remote_device``, else the compute device; CPU for a store)."""
+        if disk.store_of(self.remote_device) is not None:
+            return torch.device("cpu")
         return torch.device(self.remote_device) if self.remote_device is not None else self.compute_device(p)
 
 
@@ -88,7 +91,7 @@ def write_shard(shard: torch.Tensor, flat: torch.Tensor, layout: ShardLayout, ra
     """Copy this rank's slice of the full flat ``flat`` into ``shard`` in place; zero its padding."""
     start, stop = layout.range(rank)
     n = stop - start
-    with torch.no_grad():
+    with torch.no_grad(), disk.rewrite(shard):
         shard[:n].copy_(flat[start:stop])
         shard[n:].zero_()
 
@@ -148,6 +151,8 @@ def _finish(name: str, p: nn.Parameter, flat: torch.Tensor, shape: torch.Size, p
     sdtype, dev, sdev = spec.shard_dtype(p), spec.compute_device(p), spec.storage_device(p)
     layout = ShardLayout(shape.numel(), spec.info.world_size)
     shard = _new_shard(flat, layout, spec, sdtype, sdev)
+    if disk.store_of(spec.remote_device) is not None:
+        disk.park_shard(shard, spec.remote_device, pid)
     record = ParamMeta(name=name, shape=shape, dtype=sdtype, layout=layout, shard=shard,
                        info=spec.info, id=pid, device=dev, init_dtype=flat.dtype)
     p.data = empty_like_released(sdtype, dev)

@@ -1,0 +1,105 @@
+"""Shards on disk: the few places where ``parts.partition`` meets ``parts.offload``.
+
+With ``partitioned(remote_device=DiskStore(...))`` (or ``partition_module``) each shard is
+*parked* (``parts.offload.parking``) right after its module's ``__init__``: written to the
+store, its storage emptied; the shard tensor object (what ``shards(model)`` and the
+optimizer hold) stays. From then on:
+
+* ``gather`` loads a parked shard (waiting the read the coordinator issued ahead, or
+  reading it now) as the send buffer of its all-gather, and empties it again as soon as
+  the all-gather has landed: the full tensor is what forward and backward use, so the
+  shard buffer lives only from its read to its all-gather (``release`` frees the full one);
+* the coordinator issues those reads ahead along its trace (``read_ahead``), over twice
+  its prefetch window, so disk reads run ahead of the all-gathers, which run ahead of compute;
+* reduce-scattered grad shards go to the store (``accumulate_grad``: read, add, write);
+* the optimizer step writes updated shards back: ``parts.offload.OffloadedOptimizer``
+  loads each chunk's shards, grads and state, steps them and saves them (a plain torch
+  optimizer stepping parked shards raises, it would see no grads);
+* code that rewrites shards (``load_full_state_dict``, ``gathered(modifier_rank=...)``)
+  goes through ``rewrite``, which loads, writes and saves back;
+* a parked shard's version (``parking.version``, bumped by every save) replaces its
+  storage pointer in ``shard_version``, so persistent parameters are gathered again after
+  an optimizer step, as in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from parts.offload import parking
+from parts.offload.store import DiskStore
+
+__all__ = ["store_of", "park_shard", "load_for_send", "after_send", "parked_version",
+           "accumulate_grad", "rewrite", "read_ahead"]
+
+READ_AHEAD_FACTOR = 2
+"""Disk reads reach this many prefetch windows (``prefetch_bucket_size`` elements) ahead."""
+
+
+def store_of(remote_device: Any) -> Optional[DiskStore]:
+    """The ``DiskStore`` if ``remote_device`` is one, else None."""
+    return remote_device if isinstance(remote_device, DiskStore) else None
+
+
+def park_shard(shard: torch.Tensor, store: DiskStore, pid: int) -> None:
+    """Write a new shard to ``store`` and empty its memory."""
+    parking.park(shard, store, f"shard/{pid}")
+
+
+def load_for_send(shard: torch.Tensor) -> None:
+    """Make a parked shard's bytes present before its all-gather (no-op for others)."""
+    if parking.parked(shard) is not None:
+        parking.load(shard)
+
+
+def after_send(shard: torch.Tensor) -> None:
+    """Empty a parked shard once its all-gather landed (its bytes stay in the store)."""
+    if parking.parked(shard) is not None:
+        parking.drop(shard)
+
+
+def parked_version(shard: torch.Tensor) -> Optional[int]:
+    """Saves of a parked shard so far, or None if it is not parked."""
+    record = parking.parked(shard)
+    return None if record is None else record.version
+
+
+def accumulate_grad(shard: torch.Tensor, part: torch.Tensor, accumulate: bool) -> bool:
+    """Add ``part`` into a parked shard's grad in the store; False (nothing done) if not parked."""
+    if parking.parked(shard) is None:
+        return False
+    parking.accumulate_grad(shard, part, accumulate)
+    return True
+
+
+@contextlib.contextmanager
+def rewrite(shard: torch.Tensor) -> Iterator[None]:
+    """Inside, a parked shard holds its bytes; on exit they are saved back and dropped."""
+    if parking.parked(shard) is None:
+        yield
+        return
+    parking.load(shard)
+    yield
+    parking.save(shard).wait()
+    parking.drop(shard)
+
+
+def read_ahead(recs: Any, plan: Any, position: int, window: int, gathered: Any) -> int:
+    """Start disk reads of parked shards used after ``position`` within ``window`` elements,
+    skipping params ``gathered(pid)`` says are present; returns the reads started."""
+    started, seen = 0, 0
+    for k in range(position + 1, len(plan.sets)):
+        for pid in plan.sets[k]:
+            shard = recs[pid].shard
+            record = parking.parked(shard)
+            if record is not None and not record.resident and record.pending is None \
+                    and not gathered(pid):
+                parking.prefetch(shard)
+                started += 1
+        seen += plan.prefix[k + 1] - plan.prefix[k]
+        if seen >= window:
+            break
+    return started
