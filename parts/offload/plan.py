@@ -7,7 +7,9 @@ Memory bound (bytes one rank holds above its baseline during an offloaded ZeRO-3
     live budget        max_live_parameters * itemsize          gathered full parameters
                        + prefetch_bucket_size * itemsize       gathers in flight ahead
     shard buffers      read_ahead * itemsize / world           shards read ahead, awaiting their gather
-    optimizer          3 * chunk_bytes                         chunks being read, stepped, written
+    optimizer          3 * max(chunk_bytes, largest)           chunks being read, stepped, written
+                                                               (a parameter whose own bytes, grad and
+                                                               state exceed chunk_bytes is one chunk)
     store              threads * block_bytes + max_inflight    bounce buffers, transfers queued
     grads              2 * reduce_bucket * 4                   full fp32 grads awaiting reduce-scatter
     activations        (the model's; measured, or estimated by the caller)
@@ -54,13 +56,14 @@ class OffloadBudget:
     max_inflight_bytes: int
     reduce_bucket_size: int
     read_ahead: int = 0  # elements of full parameters whose shards are read ahead
+    largest_step_bytes: int = 0  # the largest parameter's bytes + grad + state (one chunk alone)
 
 
 def memory_bound(b: OffloadBudget, activations: int = 0) -> int:
     """Bytes above baseline an offloaded run may hold: the sum in the module docstring."""
     live = (b.max_live_parameters + b.prefetch_bucket_size) * b.itemsize
     shards = -(-b.read_ahead // max(b.world_size, 1)) * b.itemsize
-    optimizer = 3 * b.chunk_bytes
+    optimizer = 3 * max(b.chunk_bytes, b.largest_step_bytes)
     store = b.store_threads * b.block_bytes + b.max_inflight_bytes
     grads = 2 * b.reduce_bucket_size * 4
     return live + shards + optimizer + store + grads + activations
