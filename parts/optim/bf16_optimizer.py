@@ -224,6 +224,7 @@ class BF16Optimizer(torch.optim.Optimizer):
         if not self._has_grads and not self._sharded_have_grads():
             raise RuntimeError("BF16Optimizer.step() was called before any backward produced "
                                "gradients (or right after zero_grad()); call loss.backward() first")
+        self.sync_masters()
         self._reduce_grads()
         grads = self._local_grads()
         norm = self._global_norm(self._norm_grads(grads))
@@ -310,9 +311,29 @@ class BF16Optimizer(torch.optim.Optimizer):
                 masters.append(fg.master)
                 flats.append(fg.flat)
         C.gather_buckets(self._buckets, masters, flats, self.comm)
+        for fg in self.flat_groups:
+            if fg is not None:
+                fg.mark_written()
         for sharded in self.sharded_groups:
             for s in sharded:
                 s.write_back()
+
+    def sync_masters(self) -> list[str]:
+        """Re-read the fp32 masters of params written since the last step (names returned).
+
+        Called by ``step()`` and the checkpoint methods: weights loaded after the optimizer was
+        built (``load_full_state_dict``, ``model.load_state_dict``, ``nn.init``) win over the
+        cached masters. Writes through ``p.data`` of a replicated param bypass the version counters
+        this relies on and are not seen: write through the param itself under ``torch.no_grad()``."""
+        names = []
+        for fg in self.flat_groups:
+            if fg is not None:
+                names += fg.refresh_master()
+        names += [s.name for sh in self.sharded_groups for s in sh if s.refresh_master()]
+        if names:
+            logger.info("BF16Optimizer rank %d: params written since the last step, fp32 masters "
+                        "re-read: %s", self.rank, names)
+        return names
 
     # -- accessors --------------------------------------------------------------------------
     def _locate(self, p: torch.Tensor) -> tuple[str, int, int]:

@@ -47,6 +47,45 @@ class FlatGroup:
             view = self.master.narrow(0, start, length)
             view.grad = self.part_grad.narrow(0, start, length)
             self.master_chunks.append(view)
+        self.versions = self._versions()
+
+    def _versions(self) -> list[int]:
+        """Every param's version counter: a write through the param (``load_state_dict``,
+        ``nn.init``, ``p.copy_``) bumps it; the write-back into the flat buffer does not."""
+        return [p._version for p in self.params]
+
+    def _check_views(self) -> None:
+        """Raise naming a param whose data was replaced (``p.data = ...``, ``model.to(...)``)."""
+        base, size = self.flat.data_ptr(), self.flat.element_size()
+        for p, name, off in zip(self.params, self.names, self.layout.offsets):
+            if p.numel() and (p.data_ptr() != base + off * size or p.dtype != self.flat.dtype):
+                raise RuntimeError(
+                    f"BF16Optimizer: parameter {name!r} no longer lives in the optimizer's flat "
+                    f"buffer (its data was replaced, e.g. by `p.data = ...` or `model.to(...)` "
+                    f"after the optimizer was built); move or cast the model first, then build "
+                    f"the optimizer")
+
+    def refresh_master(self) -> list[str]:
+        """Re-read this rank's master from params written since the last write-back; their names.
+
+        The master caches the params in fp32: a param loaded after the optimizer was built
+        (``model.load_state_dict``) would otherwise be overwritten by the stale master."""
+        self._check_views()
+        now = self._versions()
+        changed = {i for i, (a, b) in enumerate(zip(now, self.versions)) if a != b}
+        self.versions = now
+        if not changed:
+            return []
+        base = self.rank * self.layout.partition_numel
+        for pc in self.layout.pieces(self.rank):
+            if pc.index in changed:
+                n = pc.stop - pc.start
+                self.master.narrow(0, pc.offset, n).copy_(self.flat.narrow(0, base + pc.offset, n))
+        return [self.names[i] for i in sorted(changed)]
+
+    def mark_written(self) -> None:
+        """Record that master and params agree (after the write-back)."""
+        self.versions = self._versions()
 
     def grad_view(self, index: int) -> torch.Tensor:
         """The fp32 grad-buffer view of parameter ``index``."""

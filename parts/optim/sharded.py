@@ -32,6 +32,26 @@ class ShardedParam:
             raise ValueError(f"sharded parameter {self.name!r}: shard has {record.shard.numel()} "
                              f"elements on rank {rank}, its layout says {self.layout.shard_numel}")
         self.master = record.shard.detach().to(torch.float32).clone()
+        self.version = self._version()
+
+    def _version(self) -> tuple:
+        """Identity, version counter and storage of the shard: anything that writes it changes this."""
+        shard = self.record.shard
+        return id(shard), shard._version, shard.data_ptr()
+
+    def refresh_master(self) -> bool:
+        """Re-read the master if the shard was written since the last write-back (e.g. by
+        ``load_full_state_dict``), so a stale master never overwrites loaded weights."""
+        if self._version() == self.version:
+            return False
+        shard = self.record.shard
+        if shard.dim() != 1 or shard.numel() != self.master.numel():
+            raise RuntimeError(f"BF16Optimizer: the shard of sharded parameter {self.name!r} was "
+                               f"replaced by one of {shard.numel()} elements (expected "
+                               f"{self.master.numel()}); rebuild the optimizer")
+        self.master.copy_(shard)
+        self.version = self._version()
+        return True
 
     def real_numel(self) -> int:
         """Real (unpadded) elements of this rank's shard."""
@@ -54,6 +74,7 @@ class ShardedParam:
         if real < self.master.numel():
             self.master.narrow(0, real, self.master.numel() - real).zero_()
         self.record.shard.copy_(self.master)
+        self.version = self._version()
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop (or zero) the grad shard."""

@@ -88,6 +88,7 @@ def _record(master: torch.Tensor, state: dict, real: int, start: int) -> dict:
 
 def rank_state_dict(opt: Any) -> dict:
     """This rank's checkpoint: real master/state elements, options and parameter metadata."""
+    opt.sync_masters()
     groups = []
     for fg in opt.flat_groups:
         if fg is None:
@@ -114,6 +115,7 @@ def _gather_full(opt: Any, master: torch.Tensor, state: dict) -> tuple[torch.Ten
 
 def consolidated_state_dict(opt: Any) -> Optional[dict]:
     """Full per-parameter fp32 master and state on rank 0, one group at a time (a collective)."""
+    opt.sync_masters()
     masters, states, scalars = {}, {}, {}
     keep = opt.rank == 0
 
@@ -261,6 +263,7 @@ def _set_state(opt: Any, master: torch.Tensor, state: dict) -> None:
 
 def full_param_tensor(opt: Any, p: torch.Tensor, key: Optional[str]) -> Any:
     """Full fp32 master (``key`` None) or state ``key`` of ``p`` gathered across ranks."""
+    opt.sync_masters()
     kind, g, i = opt._locate(p)
     if kind == "flat":
         fg = opt.flat_groups[g]
