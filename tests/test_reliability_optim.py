@@ -73,3 +73,21 @@ def test_weights_loaded_after_building_the_optimizer_survive_a_step_replicated(v
 def test_weights_loaded_after_building_the_optimizer_survive_a_step_sharded() -> None:
     """Row 1 on a model sharded by parts.partition, loaded with load_full_state_dict."""
     assert run(3, load_after_build_sharded, timeout=FAST) == [0.0, 0.0, 0.0]
+
+
+def missing_keys_of_rank0_dict() -> tuple:
+    """Row 8: load rank 0's dict (other ranks pass {}), once complete and once without a key."""
+    from parts.partition import load_full_state_dict, partition_module
+    model, sd = mlp(), pretrained()
+    partition_module(model)
+    full = load_full_state_dict(model, sd if dist.get_rank() == 0 else {})
+    del sd["2.bias"]
+    part = load_full_state_dict(model, sd if dist.get_rank() == 0 else {}, strict=False)
+    return (full.missing_keys, full.unexpected_keys), (part.missing_keys, part.unexpected_keys)
+
+
+def test_load_full_state_dict_reports_rank0_keys_on_every_rank() -> None:
+    """Row 8: every rank reports what was loaded (rank 0's verdict), not its own empty dict."""
+    for full, part in run(3, missing_keys_of_rank0_dict, timeout=FAST):
+        assert full == ([], [])
+        assert part == (["2.bias"], [])

@@ -109,7 +109,8 @@ def _verdict(own: Mapping[str, Any], sd: Mapping[str, Any], strict: bool) -> Opt
 @internal
 def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], strict: bool = True,
                          bucket_numel: int = _BUCKET) -> _IncompatibleKeys:
-    """Load rank 0's full ``sd`` into a (sharded) module; returns missing/unexpected keys."""
+    """Load rank 0's full ``sd`` into a (sharded) module; returns rank 0's missing/unexpected
+    keys on every rank (what was loaded everywhere)."""
     _check_module(module, "load_full_state_dict")
     if sd is not None and not isinstance(sd, Mapping):
         raise TypeError(f"load_full_state_dict: sd must be a mapping of key -> tensor, got {type(sd).__name__}")
@@ -117,9 +118,11 @@ def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], str
     info = _info(_partitioned_pairs(own))
     sd = sd if sd is not None else {}
     verdict = _verdict(own, sd, strict) if info.rank == 0 else None
+    # rank 0's keys decide, on every rank: other ranks may pass {} (their own keys mean nothing)
     missing = [k for k in own if isinstance(own[k], torch.Tensor) and k not in sd]
     unexpected = [k for k in sd if k not in own]
-    verdict, present = broadcast_object((verdict, [k for k in own if k in sd]), 0, info.group)
+    verdict, present, missing, unexpected = broadcast_object(
+        (verdict, [k for k in own if k in sd], missing, unexpected), 0, info.group)
     if verdict:
         raise RuntimeError(verdict)
     keys = {}
