@@ -15,8 +15,9 @@ microsecond per gather/release). Metadata stays usable while released: attribute
 (``p.data`` get/set, ``.grad``, ``.dtype``, ``.requires_grad``...) except views
 (``.T``, ``.mT``, ``.real``...), ``size()``/``dim()``/``numel()``, storage and pointer
 queries (memory accounting), hooks, ``requires_grad_``, ``hash``; ``copy.deepcopy`` and
-pickling raise instead of copying an empty tensor. Escape hatch: ``p.data`` is the plain
-(empty) tensor, as library code needs.
+pickling raise instead of copying an empty tensor. ``p.data`` is the plain (empty) tensor
+in library code (``internal``); in user code it is a ``ReleasedData`` whose data ops raise,
+since a write through it (``p.data.zero_()``) would silently go nowhere.
 
 Freed storage. ``release(..., free_storage=True)`` (what the coordinator does) also
 resizes the storage of the full tensor to 0 bytes and keeps the tensor on the record
@@ -48,7 +49,7 @@ from parts.partition.core import disk
 from parts.comm import GroupInfo
 from parts.base.layout import ShardLayout
 
-__all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "is_partitioned", "meta", "alloc",
+__all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "ReleasedData", "is_partitioned", "meta", "alloc",
            "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp"]
 
 _ATTR = "_parts_meta"
@@ -262,7 +263,13 @@ class ReleasedParameter(nn.Parameter):
             p = _first_released(args, kwargs)
             if p is not None:
                 raise RuntimeError(_released_message(p, f"torch op `{_op_name(func)}`"))
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        out = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        if _attr_name(func) == "data" and func.__name__ == "__get__" and not in_internal():
+            p = _first_released(args, kwargs)
+            if p is not None:  # user code: a write through the empty .data would go nowhere
+                out = out.as_subclass(ReleasedData)
+                out.__dict__["_parts_owner"] = p
+        return out
 
     def __repr__(self) -> str:
         m = self.__dict__.get(_ATTR)
@@ -274,6 +281,30 @@ class ReleasedParameter(nn.Parameter):
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise RuntimeError(_released_message(self, "pickling"))
+
+
+class ReleasedData(torch.Tensor):
+    """``p.data`` of a released parameter in user code: empty, and any op on its data raises
+    (``p.data.zero_()`` would otherwise silently change nothing). Shape queries still work."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _reads_data(func):
+            for a in (*args, *kwargs.values()):
+                owner = a.__dict__.get("_parts_owner") if type(a) is ReleasedData else None
+                if owner is not None:
+                    raise RuntimeError(_data_message(owner, _op_name(func)))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+def _data_message(p: torch.Tensor, op: str) -> str:
+    m = meta(p)
+    return (f"parts.partition: {m.describe()} is sharded over {m.world_size} rank(s) and not "
+            f"gathered, so its `.data` is empty: `{op}` on it would silently change nothing. "
+            f"To write the weight: `with parts.partition.gathered([p], modifier_rank=0): "
+            f"p.data.{op.rpartition('.')[2]}(...)` (rank 0's values are re-sharded on exit) "
+            f"or parts.partition.load_full_state_dict")
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
