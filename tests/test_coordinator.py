@@ -102,7 +102,7 @@ def _communication(persistence_threshold: int) -> dict:
             model(*batch(step, PER_RANK, rank * PER_RANK))
             out["eval"].append((coordinator.stats(),
                                 comm_counter.snapshot()["allgather_bytes"] - before["allgather_bytes"]))
-    persistent = {pid for pid in coordinator._persistent}
+    persistent = {pid for pid in coordinator.table.persistent}
     out["expected"] = _expected_bytes(model, persistent)
     out["core_expected"] = _core_full_bytes(model, persistent)
     out["n_params"] = len(list(model.parameters()))

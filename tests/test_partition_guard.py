@@ -273,7 +273,7 @@ def body_persistent(steps: int) -> dict:
     ref, model = make_pair(GPT)
     ref_losses = train_reference(ref, steps, per_rank * world)
     coordinator = attach(model)  # defaults: every param of this small model is persistent
-    persistent = [p for p in model.parameters() if meta(p).id in coordinator._persistent]
+    persistent = [p for p in model.parameters() if meta(p).id in coordinator.table.persistent]
     opt = torch.optim.AdamW(shards(model), lr=1e-2)
     losses, gathers, kept = [], [], []
     for step in range(steps):

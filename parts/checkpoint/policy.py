@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from parts.comm import check_member
+from parts.comm import GroupArg, check_member
 from parts.checkpoint.buffers import ContiguousBuffers
 from parts.checkpoint.rng import RNGTracker
 from parts.observe import Timers
@@ -28,7 +28,7 @@ class CheckpointPolicy:
       accelerator generators.
     """
 
-    partition_group: Optional[Any] = None
+    partition_group: GroupArg = None
     cpu_offload: bool = False
     buffers: Optional[ContiguousBuffers] = None
     synchronize: bool = False

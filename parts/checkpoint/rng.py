@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
 from parts.base import accelerator_device
-from parts.comm import group_info
+from parts.comm import GroupArg, group_info
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718
@@ -112,7 +112,7 @@ class RNGTracker:
             raise KeyError(f"RNGTracker: no stream named {name!r} (have {self.names()})")
 
 
-def seed_model_parallel(seed: int, group: Optional[Any] = None,
+def seed_model_parallel(seed: int, group: GroupArg = None,
                         tracker: Optional[RNGTracker] = None, name: str = MODEL_PARALLEL_RNG,
                         offset: int = MODEL_PARALLEL_SEED_OFFSET) -> RNGTracker:
     """Seed stream ``name`` with ``seed + offset + rank in group`` and return the tracker.

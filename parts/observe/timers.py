@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from parts.comm import GroupArg
 from parts.observe._collectives import min_max, rank
 from parts.base.device import synchronize_accelerator
 
@@ -119,7 +120,7 @@ class Timers:
         return {n: self._timers[n].elapsed(reset) if n in self._timers else 0.0 for n in names}
 
     def log(self, names: Optional[Iterable[str]] = None, normalizer: float = 1.0,
-            reset: bool = True, group: Optional[Any] = None,
+            reset: bool = True, group: GroupArg = None,
             printer: Callable[[str], None] = print) -> dict[str, tuple[float, float]]:
         """Min/max over ``group`` of each timer's seconds / ``normalizer``; rank 0 prints them in ms.
 

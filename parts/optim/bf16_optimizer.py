@@ -14,8 +14,8 @@ from . import state_dict as ckpt
 from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
-from .sharded import ShardedParam, partition_api
-from parts.comm import resolve_group
+from .sharded import ShardedParam, is_partitioned, meta
+from parts.comm import GroupArg, ProcessGroup, resolve_group
 from .validation import ParamChecker, check_options
 
 __all__ = ["BF16Optimizer"]
@@ -42,14 +42,14 @@ class BF16Optimizer(torch.optim.Optimizer):
     the skip on a non-finite norm and ``last_grad_norm`` then use that grid-wide norm.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, group: Optional[Any] = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, *, group: GroupArg = None,
                  clip_grad: float = 0.0, norm_type: float = 2.0,
                  allgather_bucket_size: int = 500_000_000,
                  grad_accum_dtype: torch.dtype = torch.float32,
                  loss_scaler: Optional[DynamicLossScaler] = None,
                  named_parameters: Optional[NamedParams] = None,
                  step_chunk: int = STEP_CHUNK, allow_fp32: bool = False,
-                 norm_groups: Sequence[Any] = (),
+                 norm_groups: Sequence[ProcessGroup] = (),
                  replicated: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"BF16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -118,7 +118,6 @@ class BF16Optimizer(torch.optim.Optimizer):
         return {id(p): n for n, p in items}
 
     def _build(self, names: dict[int, str]) -> None:
-        is_partitioned, meta = partition_api()
         checker = ParamChecker(self.allow_fp32)
         for g, group in enumerate(self.optimizer.param_groups):
             replicated, rep_names, sharded = [], [], []

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-__all__ = ["ShardedParam", "partition_api"]
+from parts.partition.core.param import ParamMeta, is_partitioned, meta
 
-
-def partition_api() -> tuple[Any, Any]:
-    """``(is_partitioned, meta)`` from parts.partition, or a stand-in when it is not there."""
-    try:
-        from parts.partition import is_partitioned, meta
-    except ImportError:
-        return (lambda p: False), None
-    return is_partitioned, meta
+__all__ = ["ShardedParam", "is_partitioned", "meta"]
 
 
 class ShardedParam:
     """A sharded parameter: steps an fp32 copy of ``meta.shard`` with ``meta.grad_shard`` as its grad."""
 
-    def __init__(self, param: torch.nn.Parameter, record: Any, rank: int) -> None:
+    def __init__(self, param: torch.nn.Parameter, record: ParamMeta, rank: int) -> None:
         self.param, self.record = param, record
         self.name = str(getattr(record, "name", "") or "")
         self.layout = record.layout

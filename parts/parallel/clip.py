@@ -10,11 +10,12 @@ only dp rank 0 counts them). One all-reduce over the grid's parent group adds it
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from . import _collectives as C
+from .grid import ParallelGrid
 from .layers import tp_split
 
 __all__ = ["grad_norm_2d", "clip_grad_norm_2d"]
@@ -41,7 +42,7 @@ def _local_sum(params: list, grad_fn: GradFn, tp_rank: int, counts_dp: bool,
     return total
 
 
-def grad_norm_2d(params: Iterable[torch.Tensor], grid: Any, *, grad_fn: GradFn = _grad,
+def grad_norm_2d(params: Iterable[torch.Tensor], grid: ParallelGrid, *, grad_fn: GradFn = _grad,
                  norm_type: float = 2.0, dp_replicated: bool = False) -> torch.Tensor:
     """The norm of all grads over the whole grid (a collective over ``grid.group``).
 
@@ -57,7 +58,7 @@ def grad_norm_2d(params: Iterable[torch.Tensor], grid: Any, *, grad_fn: GradFn =
     return C.all_reduce_sum(local, grid.group).pow(1.0 / norm_type)
 
 
-def clip_grad_norm_2d(params: Iterable[torch.Tensor], max_norm: float, grid: Any, *,
+def clip_grad_norm_2d(params: Iterable[torch.Tensor], max_norm: float, grid: ParallelGrid, *,
                       grad_fn: GradFn = _grad, norm_type: float = 2.0,
                       dp_replicated: bool = False) -> torch.Tensor:
     """Scale every grad in place so the grid-wide norm is at most ``max_norm``; return the norm.

@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parts.comm import GroupArg
+
 from . import _collectives as C
 from .layout import tp_ranges
 
@@ -67,7 +69,7 @@ def _full_init(out_features: int, in_features: int, bias: bool,
 class _TPLinear(nn.Module):
     """Shared set-up: group, sizes, target dtype and device."""
 
-    def __init__(self, in_features: int, out_features: int, group: Any,
+    def __init__(self, in_features: int, out_features: int, group: GroupArg,
                  dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
@@ -97,7 +99,7 @@ class ColumnParallelLinear(_TPLinear):
     projection uses 3), so each rank gets whole heads of every block.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Any = None, *,
+    def __init__(self, in_features: int, out_features: int, group: GroupArg = None, *,
                  bias: bool = True, chunks: int = 1, init_method: Optional[InitMethod] = None,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         super().__init__(in_features, out_features, group, dtype, device)
@@ -121,7 +123,7 @@ class RowParallelLinear(_TPLinear):
     replicated and added once, after the all-reduce.
     """
 
-    def __init__(self, in_features: int, out_features: int, group: Any = None, *,
+    def __init__(self, in_features: int, out_features: int, group: GroupArg = None, *,
                  bias: bool = True, init_method: Optional[InitMethod] = None,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         super().__init__(in_features, out_features, group, dtype, device)

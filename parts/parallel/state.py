@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn as nn
+
+from parts.comm import GroupArg
 
 from . import _collectives as C
 from .layers import shard_tensor, tp_split, unshard_tensor
@@ -14,7 +16,7 @@ __all__ = ["tp_full_state_dict", "tp_slice_state_dict"]
 
 
 def tp_full_state_dict(module: nn.Module, local: Mapping[str, torch.Tensor],
-                       group: Any) -> dict[str, torch.Tensor]:
+                       group: GroupArg) -> dict[str, torch.Tensor]:
     """``local`` (this rank's tp pieces, by ``module``'s parameter names) made full over ``group``.
 
     A collective over ``group``: every tp rank passes its own ``local`` (e.g. the output of
@@ -30,7 +32,7 @@ def tp_full_state_dict(module: nn.Module, local: Mapping[str, torch.Tensor],
 
 
 def tp_slice_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor],
-                        group: Any) -> dict[str, torch.Tensor]:
+                        group: GroupArg) -> dict[str, torch.Tensor]:
     """This tp rank's pieces of a full state dict (inverse of :func:`tp_full_state_dict`)."""
     splits = {name: tp_split(p) for name, p in module.named_parameters()}
     size, rank = C.group_size(group), C.group_rank(group)

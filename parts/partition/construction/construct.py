@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from parts.partition.construction import intercept as _intercept
-from parts.comm import GroupInfo, broadcast, resolve_group
+from parts.comm import GroupArg, GroupInfo, broadcast, resolve_group
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
@@ -253,7 +253,7 @@ def _uninstall(ok: bool) -> None:
 class partitioned:
     """Context manager: every module built inside has its parameters sharded after its ``__init__``."""
 
-    def __init__(self, group: Any = None, *, dtype: Optional[torch.dtype] = None,
+    def __init__(self, group: GroupArg = None, *, dtype: Optional[torch.dtype] = None,
                  device: Any = None, remote_device: Any = None, pin_memory: bool = False,
                  enabled: bool = True) -> None:
         self.enabled = enabled
@@ -282,7 +282,7 @@ class partitioned:
 
 
 @internal
-def partition_module(module: nn.Module, group: Any = None, *, dtype: Optional[torch.dtype] = None,
+def partition_module(module: nn.Module, group: GroupArg = None, *, dtype: Optional[torch.dtype] = None,
                      device: Any = None, remote_device: Any = None, pin_memory: bool = False) -> nn.Module:
     """Shard an existing module's parameters in place (rank 0's values); returns ``module``."""
     if not isinstance(module, nn.Module):

@@ -53,30 +53,50 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from parts.partition.core import disk
+from parts.comm import GroupArg
 from parts.partition.coordinator.checks import check_group, check_sharded
-from parts.partition.coordinator.debug import RankDivergence
-from parts.partition.coordinator.fetch import FetchEngine, ModuleCall, StepState
+from parts.partition.coordinator.debug import RankDivergence, StepCheck
 from parts.partition.coordinator.hooks import (ModuleHooks, in_backward, on_backward_end,
                                                register_pre_backward)
+from parts.partition.coordinator.live import LiveSet
+from parts.partition.coordinator.plan import Knobs
+from parts.partition.coordinator.prefetch import Prefetcher
 from parts.partition.coordinator.reduce import GradReducer
 from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, freeze
-from parts.partition.core.gather import release
-from parts.partition.core.param import ParamStatus, is_partitioned, is_stale, meta
-from parts.partition.coordinator.plan import Knobs, select_persistent
-from parts.partition.core.storage_pool import StoragePool
-from parts.partition.coordinator.trace import BACKWARD, FORWARD, TraceBook, phase_name, trace_digest
+from parts.partition.coordinator.step import ModuleCall, StepState
+from parts.partition.coordinator.table import ParamTable
+from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name, trace_digest
+from parts.partition.core.param import is_partitioned, meta
 
 __all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
 
-_NOT_AVAILABLE = ParamStatus.NOT_AVAILABLE
 _attached: "weakref.WeakKeyDictionary[nn.Module, FetchCoordinator]" = weakref.WeakKeyDictionary()
+"""Which coordinator hooks a module: a weak lookup for the module-level ``detach(module)`` and
+``register_external_parameter(module, p)``; it configures nothing and forgets dead modules."""
 
 
-class FetchCoordinator(FetchEngine, GradReducer):
-    """Fetches and releases sharded parameters around every submodule; see ``attach``."""
+class _Pieces:
+    """The named pieces of an attached coordinator, each holding its own state."""
 
-    def __init__(self, group: Any = None, *, prefetch_bucket_size: int = 50_000_000,
+    def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg) -> None:
+        self.counters = StepCounters()
+        self.table = ParamTable(module, knobs)
+        self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group))
+        self.live = LiveSet(self.table, knobs, group, self.counters)
+        self.prefetcher = Prefetcher(self.table, self.live, knobs, self.check, self.counters)
+        self.reducer = GradReducer(self.table, knobs, group, self.check, self.counters)
+
+
+class FetchCoordinator:
+    """Fetches and releases sharded parameters around every submodule; see ``attach``.
+
+    The hooks and the step lifecycle live here; the state lives in named pieces built at
+    ``attach``: ``table`` (modules, parameters, sizes, persistence), ``live`` (gathered
+    parameters, use counts, budget, release, storage pool), ``prefetcher`` (traces, plan,
+    prefetch gathers) and ``reducer`` (grad buckets, reduce-scatters).
+    """
+
+    def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 50_000_000,
                  max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
                  persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
                  overlap_comm: bool = True, debug: bool = False,
@@ -97,15 +117,17 @@ class FetchCoordinator(FetchEngine, GradReducer):
         check_sharded(module, _attached)
         check_group(module, self.group)
         self._root = module
-        self._setup_tables(module)
-        self._setup_state()
-        for index in range(len(self._modules)):
-            if index == 0 or self._sets[index]:
+        pieces = _Pieces(module, self.knobs, self.group)
+        self.table, self.live, self.prefetcher = pieces.table, pieces.live, pieces.prefetcher
+        self.reducer, self.check, self.counters = pieces.reducer, pieces.check, pieces.counters
+        self._setup_lifecycle()
+        for index in range(len(self.table.modules)):
+            if index == 0 or self.table.sets[index]:
                 self._hook(index)
-        for p in self._by_id.values():
+        for p in self.table.params.values():
             if p.requires_grad:
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
-        for sub in self._modules:
+        for sub in self.table.modules:
             _attached[sub] = self
         return self
 
@@ -115,68 +137,32 @@ class FetchCoordinator(FetchEngine, GradReducer):
             return
         if self._stack:
             raise RuntimeError("FetchCoordinator.detach: called inside a forward (modules "
-                               f"{[self._names[c.index] for c in self._stack]} are running)")
-        self._wait_reduces()
+                               f"{[self.table.names[c.index] for c in self._stack]} are running)")
+        self.reducer.wait()
         for hooks in self._hooks.values():
             hooks.remove()
         for handle in self._grad_hooks:
             handle.remove()
-        held = [p for pid, p in self._by_id.items() if self._recs[pid].status is not _NOT_AVAILABLE]
-        release(held)
-        self._pool = None
-        for sub in self._modules:
+        self.live.release_all()
+        for sub in self.table.modules:
             if _attached.get(sub) is self:
                 del _attached[sub]
         self._root = None
 
-    def _setup_tables(self, module: nn.Module) -> None:
-        named = list(module.named_modules())
-        self._modules = [m for _, m in named]
-        self._names = [n for n, _ in named]
-        self._index = {id(m): i for i, m in enumerate(self._modules)}
-        self._sets: list[list] = [[] for _ in named]  # stable ids each module fetches
-        self._by_id: dict[int, nn.Parameter] = {}
-        for index, sub in enumerate(self._modules):
-            for p in sub.parameters(recurse=False):
-                pid = meta(p).id
-                if pid not in self._sets[index]:
-                    self._sets[index].append(pid)
-                self._by_id[pid] = p
-        self._recs = {pid: meta(p) for pid, p in self._by_id.items()}
-        self._any_parked = any(disk.parked_version(m.shard) is not None for m in self._recs.values())
-        self._pids = {id(p): pid for pid, p in self._by_id.items()}
-        self._sizes = {pid: m.numel for pid, m in self._recs.items()}
-        self._persistent = select_persistent(self._sizes, self.knobs.persistence_threshold,
-                                             self.knobs.model_persistence_threshold)
-        self._persistent_ids = sorted(self._persistent)
-
-    def _setup_state(self) -> None:
+    def _setup_lifecycle(self) -> None:
         self._hooks: dict[int, ModuleHooks] = {}
-        self._grad_hooks: list = []
-        self._sets_version = 0
-        self._book = TraceBook()
+        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._steps: dict[str, StepState] = {}
         self._phase_steps: dict[str, int] = {}  # steps begun per phase (debug mode names them)
-        self._plans: dict = {}
         self._stack: list[ModuleCall] = []
-        self._uses: dict[int, int] = {}
-        self._bwd_uses: dict[int, int] = {}
-        self._live: dict[int, int] = {}
-        self._live_total = 0
-        self._pool = StoragePool() if self.knobs.cache_freed_storage else None
-        self._prefetched: set = set()
-        self._pass_gathers: dict[tuple, int] = {}
-        self._fwd_no = self._bwd_no = 0
-        self._setup_reducer()
         self._bwd_phase: Optional[str] = None
-        self._counters = StepCounters()
         self._misses = 0
         self._steps_done = 0
 
     def _hook(self, index: int) -> None:
         if index in self._hooks:
             return
-        sub = self._modules[index]
+        sub = self.table.modules[index]
         hooks = ModuleHooks(sub)
         hooks.install(partial(self._pre_forward, index), partial(self._post_forward, index))
         if any(True for _ in sub.parameters(recurse=False)):
@@ -188,34 +174,44 @@ class FetchCoordinator(FetchEngine, GradReducer):
         """Gather ``param`` (owned by another module) whenever ``module`` runs, forward and backward."""
         if self._root is None:
             raise RuntimeError("register_external_parameter: attach the coordinator first")
-        index = self._index.get(id(module))
+        index = self.table.index.get(id(module))
         if index is None:
             raise ValueError(f"register_external_parameter: module {type(module).__name__} is not "
                              "part of the model this coordinator is attached to")
-        if not is_partitioned(param) or meta(param).id not in self._by_id:
+        if not is_partitioned(param) or meta(param).id not in self.table.params:
             raise ValueError("register_external_parameter: the parameter is not a sharded parameter "
-                             f"of the attached model (module '{self._names[index]}')")
+                             f"of the attached model (module '{self.table.names[index]}')")
         self._add_external(index, meta(param).id)
 
     def _add_external(self, index: int, pid: int) -> None:
-        if pid not in self._sets[index]:
-            self._sets[index].append(pid)
-            self._sets_version += 1
+        if self.table.add_external(index, pid):
             self._hook(index)
 
-    def _on_param_read(self, owner: int, param: Any) -> None:
+    def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
         """A module read a parameter of ``owner``; inside another module's forward, fetch it."""
         if not self._stack or self._root is None:
             return
         call = self._stack[-1]
-        pid = self._pids.get(id(param))
+        pid = self.table.pid(param)
         if call.index == owner or pid is None or pid in call.ids:
             return
         self._add_external(call.index, pid)
         call.ids.append(pid)
-        self._check(self._steps.get(call.phase), "external", call.index, [pid])
-        self._gather([pid], async_op=False)
-        self._uses[pid] = self._uses.get(pid, 0) + 1
+        self.check.point(self._steps.get(call.phase), "external", call.index, [pid])
+        self.live.gather([pid], async_op=False)
+        self.live.use([pid])
+
+    # ----------------------------------------------------------------------- fetch
+    def _fetch(self, call: ModuleCall, kind: str) -> None:
+        """Gather what ``call`` needs (releasing idle params to fit the budget), then prefetch."""
+        step = self._steps[call.phase]
+        self.prefetcher.observe(step, kind, call.index)
+        self.check.point(step, kind, call.index)
+        self.live.make_room(set(call.ids), step)
+        self.prefetcher.count_fetch(call.ids)
+        self.live.gather(call.ids, async_op=False, kind=kind)
+        self.live.use(set(call.ids))
+        self.prefetcher.prefetch(step)
 
     # ------------------------------------------------------------------ step lifecycle
     def _phase_of(self, module: nn.Module) -> str:
@@ -224,14 +220,14 @@ class FetchCoordinator(FetchEngine, GradReducer):
         if in_backward() and self._bwd_phase is not None:
             return self._bwd_phase
         phase = phase_name(module.training, torch.is_grad_enabled())
-        if not self._book.active(phase):
+        if not self.prefetcher.book.active(phase):
             self._begin_step(phase)
         if not in_backward():
-            self._fwd_no += 1
+            self.live.forwards += 1
         return phase
 
     def _begin_step(self, phase: str) -> None:
-        self._book.begin(phase)
+        self.prefetcher.book.begin(phase)
         number = self._phase_steps.get(phase, 0)
         self._phase_steps[phase] = number + 1
         self._steps[phase] = StepState(phase, number=number)
@@ -244,66 +240,49 @@ class FetchCoordinator(FetchEngine, GradReducer):
         optimizer stepped it) is released and gathered again with the others. The decision
         is local (every rank steps its shards of the same params); ``debug`` checks it.
         """
-        stale, todo = [], []
-        for pid in self._persistent_ids:
-            m = self._recs[pid]
-            if m.status is _NOT_AVAILABLE:
-                todo.append(pid)
-            elif not self._uses.get(pid) and is_stale(m):
-                stale.append(pid)
-        self._check(self._steps[phase], "start", ids=sorted(todo + stale))
-        if stale:
-            release([self._by_id[pid] for pid in stale], free_storage=True, pool=self._pool)
-            todo = sorted(todo + stale)
-        if todo:
-            self._counters.persistent_gathers += len(todo)
-            self._gather(todo, async_op=self.knobs.overlap_comm)
+        todo, stale = self.live.persistent_to_gather()
+        self.check.point(self._steps[phase], "start", ids=sorted(todo + stale))
+        self.live.refresh_persistent(todo, stale)
 
     def _end_step(self, phase: str) -> None:
         step = self._steps.pop(phase)
-        record = self._book.end(phase)
-        digest = trace_digest(record.events, self._names)
-        self._check(step, "end", digest=int(digest, 16))
-        idle = [pid for pid in self._live if not self._uses.get(pid)]
-        self._release_ids(idle)
-        self._prefetched.clear()
-        self._pass_gathers.clear()
+        record = self.prefetcher.book.end(phase)
+        digest = trace_digest(record.events, self.table.names)
+        self.check.point(step, "end", digest=int(digest, 16))
+        self.live.end_step()
+        self.prefetcher.prefetched.clear()
         self._misses += record.outcome == "diverged"
         self._steps_done += 1
-        pers = sum(self._sizes[pid] for pid in self._persistent)
-        self._last = freeze(self._counters, steps=self._steps_done, phase=phase,
+        pool = self.live.pool
+        self._last = freeze(self.counters, steps=self._steps_done, phase=phase,
                             trace_outcome=record.outcome, trace_events=len(record.events),
                             trace_digest=digest, trace_misses=self._misses,
-                            persistent_params=len(self._persistent), persistent_elements=pers,
-                            cached_bytes=self._pool.cached_bytes if self._pool else 0)
-        self._counters = StepCounters()
+                            persistent_params=len(self.table.persistent),
+                            persistent_elements=self.table.persistent_elements(),
+                            cached_bytes=pool.cached_bytes if pool else 0)
+        self.counters.reset()
 
     def stats(self) -> Optional[CoordinatorStats]:
         """Counters of the last finished step (None before the first one ends)."""
         return self._last
 
-    def _group(self) -> Any:
-        if self.group is not None:
-            return self.group
-        return next(iter(self._recs.values())).group if self._recs else None
-
     # ---------------------------------------------------------------- forward hooks
-    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
         if self._root is None:
             return
         phase = self._phase_of(module)
-        call = ModuleCall(index, phase, list(self._sets[index]))
+        call = ModuleCall(index, phase, list(self.table.sets[index]))
         self._stack.append(call)
         self._fetch(call, FORWARD)
 
-    def _post_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._root is None or not self._stack:
             return
         call = self._pop(index)
         if call is None:
             return
         step = self._steps.get(call.phase)
-        self._done_with(call.ids, step)
+        self.live.done_with(call.ids, step)
         if step is None or self._stack or in_backward():
             # in backward (a recompute): the hooks serve a reentrant checkpoint's inner backward
             if step is not None and output is not None and torch.is_grad_enabled():
@@ -324,16 +303,16 @@ class FetchCoordinator(FetchEngine, GradReducer):
     def _abandon_step(self, phase: str) -> None:
         """Forget the step of ``phase`` after an error; release what it held, locally only."""
         self._steps.pop(phase, None)
-        self._book.abandon(phase)
-        self._release_ids([pid for pid in self._live if not self._uses.get(pid)])
-        self._counters = StepCounters()
+        self.prefetcher.book.abandon(phase)
+        self.live.release(self.live.idle())
+        self.counters.reset()
 
     def _pop(self, index: int) -> Optional[ModuleCall]:
         for k in range(len(self._stack) - 1, -1, -1):
             if self._stack[k].index == index:
                 call = self._stack.pop(k)
                 for dropped in self._stack[k:]:  # aborted inner calls (e.g. checkpoint early stop)
-                    self._done_with(dropped.ids, self._steps.get(dropped.phase))
+                    self.live.done_with(dropped.ids, self._steps.get(dropped.phase))
                 del self._stack[k:]
                 return call
         return None
@@ -343,41 +322,37 @@ class FetchCoordinator(FetchEngine, GradReducer):
         if self._root is None:
             return
         self._enter_backward(phase)
-        call = ModuleCall(index, self._bwd_phase, list(self._sets[index]))
+        call = ModuleCall(index, self._bwd_phase, list(self.table.sets[index]))
         self._fetch(call, BACKWARD)
-        for pid in call.ids:
-            self._bwd_uses[pid] = self._bwd_uses.get(pid, 0) + 1
+        self.live.use_in_backward(call.ids)
 
     def _enter_backward(self, phase: str) -> None:
         if self._bwd_phase is not None:
             return
         self._bwd_phase = phase
-        self._bwd_no += 1
-        if not self._book.active(phase):
+        self.live.backwards += 1
+        if not self.prefetcher.book.active(phase):
             self._begin_step(phase)
         on_backward_end(self._end_backward)
 
     def _post_accumulate(self, p: nn.Parameter) -> None:
-        """The last grad contribution to ``p`` in this backward arrived: release it, reduce its bucket."""
+        """The last grad contribution to ``p`` in this backward arrived: release ``p`` if idle,
+        then hand its grad to the reducer."""
         if self._root is None:
             return
         self._enter_backward(self._bwd_phase or phase_name(True, True))
-        pid = self._pids[id(p)]
-        held = self._bwd_uses.pop(pid, 0)
-        if held:
-            self._uses[pid] -= held
-            self._settle([pid], self._steps.get(self._bwd_phase))
+        pid = self.table.pid(p)
+        step = self._steps.get(self._bwd_phase)
+        self.live.grad_complete(pid, step)
         if p.grad is not None:
-            self._queue_grad(p, pid, self._bwd_phase)
+            self.reducer.grad_ready(p, pid, step)
 
     def _end_backward(self) -> None:
         phase, self._bwd_phase = self._bwd_phase, None
         if self._root is None:
             return
-        self._reduce_all(phase)
-        for pid, held in self._bwd_uses.items():
-            self._uses[pid] -= held
-        self._bwd_uses.clear()
+        self.reducer.flush(self._steps.get(phase))
+        self.live.end_backward()
         if phase in self._steps:
             self._end_step(phase)
 

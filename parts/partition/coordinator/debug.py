@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from parts.comm import GroupArg, all_gather, group_info
+from parts.partition.coordinator.step import StepState
 
 __all__ = ["RankDivergence", "DebugPoint", "encode", "decode", "divergence_message", "ids_digest",
-           "exchange", "check_point"]
+           "exchange", "check_point", "StepCheck"]
 
 KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end")
 _PHASE_WORDS = 3  # the phase name travels as 24 UTF-8 bytes (longer names are cut)
@@ -129,3 +130,27 @@ def check_point(point: DebugPoint, names: Sequence[str], group: GroupArg) -> Non
     if all(row == rows[0] for row in rows):
         return
     raise RankDivergence(divergence_message([decode(row) for row in rows], names))
+
+
+class StepCheck:
+    """Debug mode's agreement before each collective of a step (off: does nothing).
+
+    Every piece of the coordinator that issues a collective calls ``point`` first, with the
+    step it belongs to; the step's event counter ``seq`` advances with each point.
+    """
+
+    def __init__(self, enabled: bool, names: Sequence[str], group: GroupArg) -> None:
+        self.enabled, self.names, self.group = enabled, names, group
+
+    def point(self, step: Optional[StepState], kind: str, module: int = -1, ids: Iterable[int] = (),
+              digest: Optional[int] = None) -> None:
+        """Agree with every rank on (phase, step, event, kind, module, ids) or raise ``RankDivergence``."""
+        if not self.enabled:
+            return
+        ids = list(ids)
+        if step is None:  # no step in progress (cannot happen when the ranks agree)
+            step = StepState("?", number=-1, seq=-1)
+        point = DebugPoint(step.phase, step.number, step.seq, kind, module, len(ids),
+                           ids_digest(ids) if digest is None else digest)
+        step.seq += 1
+        check_point(point, self.names, self.group)

@@ -35,6 +35,12 @@ class StepCounters:
     live_high_water: int = 0
     param_gathers: dict = field(default_factory=dict)
 
+    def reset(self) -> None:
+        """Zero every counter for the next step (the pieces of the coordinator share this object)."""
+        fresh = StepCounters()
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(fresh, name))
+
     def gathered(self, pid: int, nbytes: int) -> None:
         """Count one parameter gathered by a collective."""
         self.allgather_bytes += nbytes

@@ -22,8 +22,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from parts.comm import GroupArg, GroupInfo, all_gather_many
 from parts.partition.core import disk
-from parts.comm import GroupInfo, all_gather_many
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_stale, metas_sorted, stamp)
 from parts.partition.core.storage_pool import StoragePool
@@ -111,7 +111,7 @@ def _from_pool(pool: StoragePool, nbytes: int, m: ParamMeta) -> Optional[torch.T
 
 
 @internal
-def gather(params: Iterable[nn.Parameter], group: Any = None, async_op: bool = False,
+def gather(params: Iterable[nn.Parameter], group: GroupArg = None, async_op: bool = False,
            pool: Optional[StoragePool] = None) -> Optional[GatherHandle]:
     """Make ``params`` full (``p.data`` gets the global tensor) with one group of all-gathers;
     storage freed by ``release(..., pool=pool)`` is refilled from ``pool`` when it can be."""

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from parts.comm import GroupArg, reduce_scatter_many
 from parts.partition.core import disk
-from parts.comm import reduce_scatter_many
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
 __all__ = ["ReduceHandle", "reduce_scatter_grads", "shards"]
@@ -70,7 +70,7 @@ class ReduceHandle:
 
 
 @internal
-def reduce_scatter_grads(params: Iterable[nn.Parameter], group: Any = None, *, accumulate: bool = True,
+def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None, *, accumulate: bool = True,
                          dtype: torch.dtype = torch.float32, average: bool = True,
                          async_op: bool = False) -> Optional[ReduceHandle]:
     """Reduce-scatter the full ``p.grad`` of ``params`` into their grad shards (sum or mean), freeing ``p.grad``.

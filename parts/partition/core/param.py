@@ -45,8 +45,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from parts.comm import GroupArg, GroupInfo
 from parts.partition.core import disk
-from parts.comm import GroupInfo
 from parts.base.layout import ShardLayout
 
 __all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "ReleasedData", "is_partitioned", "meta", "alloc",
@@ -108,7 +108,7 @@ class ParamMeta:
         return self.layout.numel
 
     @property
-    def group(self) -> Any:
+    def group(self) -> GroupArg:
         """The process group (None where torch.distributed is not initialised)."""
         return self.info.group
 
@@ -344,7 +344,7 @@ def metas_sorted(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, Par
     return sorted(pairs, key=lambda pm: pm[1].id)
 
 
-def common_info(pairs: list[tuple[torch.Tensor, ParamMeta]], group: Any, what: str) -> Optional[GroupInfo]:
+def common_info(pairs: list[tuple[torch.Tensor, ParamMeta]], group: GroupArg, what: str) -> Optional[GroupInfo]:
     """The one group of ``pairs`` (checked against ``group`` if given); ValueError naming mismatches."""
     if not pairs:
         return None

@@ -1,0 +1,190 @@
+"""The live set of the coordinator: which parameters are gathered, who holds them, the budget.
+
+A parameter is released only when no running forward, no pending backward and no reuse
+decision holds it (its use count is zero). Non-persistent gathered (or in-flight) elements
+count against ``max_live_parameters``; a fetch first releases idle parameters, farthest next
+use first. Released full-parameter memory goes to the storage pool for the next gathers.
+Every decision comes from the pure functions of plan.py; the gathers and releases are the
+core's ``gather``/``release``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+from parts.comm import GroupArg
+from parts.partition.coordinator.hooks import in_backward
+from parts.partition.coordinator.plan import Knobs, choose_evictions, collective_bytes, keep_after_use
+from parts.partition.coordinator.stats import StepCounters
+from parts.partition.coordinator.step import StepState
+from parts.partition.coordinator.table import ParamTable
+from parts.partition.coordinator.trace import BACKWARD, FORWARD
+from parts.partition.core.gather import gather, release
+from parts.partition.core.param import ParamStatus, is_stale
+from parts.partition.core.storage_pool import StoragePool
+
+__all__ = ["LiveSet"]
+
+_NOT_AVAILABLE = ParamStatus.NOT_AVAILABLE
+_AVAILABLE = ParamStatus.AVAILABLE
+
+
+class LiveSet:
+    """Gathered parameters, their use counts and the live-elements budget of one coordinator.
+
+    ``uses[pid]``: running forwards and backwards (and reuse) holding ``pid``; ``live``:
+    non-persistent gathered ids and their sizes, ``total`` their sum; ``pool``: freed storage
+    kept for the next gathers (None with ``cache_freed_storage=False``).
+    """
+
+    def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, counters: StepCounters) -> None:
+        self.table, self.knobs, self.group, self.counters = table, knobs, group, counters
+        self.uses: dict[int, int] = {}
+        self.backward_uses: dict[int, int] = {}  # uses by backward passes in progress
+        self.live: dict[int, int] = {}
+        self.total = 0
+        self.pool: Optional[StoragePool] = StoragePool() if knobs.cache_freed_storage else None
+        self.forwards = self.backwards = 0  # passes begun (a gather is counted against one)
+        self._pass_gathers: dict[tuple, int] = {}
+
+    # ---------------------------------------------------------------------- gathers
+    def resident(self, pid: int) -> bool:
+        """Gathered or in flight."""
+        return self.table.records[pid].status is not _NOT_AVAILABLE
+
+    def gather(self, ids: Sequence[int], async_op: bool, kind: Union[str, list] = FORWARD) -> None:
+        """Gather the params (by id) not yet available in one collective (sync joins in-flight
+        ones); ``kind`` (one per param, or one for all) names the pass the gather serves."""
+        recs = self.table.records
+        todo = [pid for pid in ids if recs[pid].status is not _AVAILABLE]
+        if not todo:
+            return
+        kinds = dict(zip(ids, kind)) if isinstance(kind, list) else {}
+        fresh = [pid for pid in todo if recs[pid].status is _NOT_AVAILABLE]
+        for pid in fresh:
+            self._note_gathered(pid, self._pass_key(kinds.get(pid, kind)))
+        if fresh:
+            self.counters.allgather_calls += 1
+        gather(self.table.select(todo), self.group, async_op=async_op, pool=self.pool)
+
+    def _pass_key(self, kind: str) -> tuple:
+        """The pass a gather serves: this backward, this forward, or the next backward."""
+        if in_backward():
+            return BACKWARD, self.backwards
+        return (FORWARD, self.forwards) if kind == FORWARD else (BACKWARD, self.backwards + 1)
+
+    def _note_gathered(self, pid: int, pass_key: tuple) -> None:
+        m = self.table.records[pid]
+        self.counters.gathered(pid, collective_bytes(m.layout.shard_numel, m.world_size, m.dtype.itemsize))
+        seen = self._pass_gathers.get((pass_key, pid), 0)
+        self._pass_gathers[(pass_key, pid)] = seen + 1
+        self.counters.regathered_params += seen > 0
+        if pid not in self.table.persistent and pid not in self.live:
+            self.live[pid] = m.numel
+            self.total += m.numel
+            self.counters.live_high_water = max(self.counters.live_high_water, self.total)
+
+    # ------------------------------------------------------------------- use counts
+    def use(self, ids: Iterable[int]) -> None:
+        """A forward (or an external read) holds ``ids``."""
+        for pid in ids:
+            self.uses[pid] = self.uses.get(pid, 0) + 1
+
+    def use_in_backward(self, ids: Iterable[int]) -> None:
+        """A backward holds ``ids`` until their grads are complete (``grad_complete``)."""
+        for pid in ids:
+            self.backward_uses[pid] = self.backward_uses.get(pid, 0) + 1
+
+    def grad_complete(self, pid: int, step: Optional[StepState]) -> None:
+        """``pid``'s last backward use is over: drop the backward's holds, release it if idle."""
+        held = self.backward_uses.pop(pid, 0)
+        if held:
+            self.uses[pid] -= held
+            self.settle([pid], step)
+
+    def end_backward(self) -> None:
+        """The backward is over: drop every hold it still had (no release here: the step ends)."""
+        for pid, held in self.backward_uses.items():
+            self.uses[pid] -= held
+        self.backward_uses.clear()
+
+    def done_with(self, ids: Sequence[int], step: Optional[StepState]) -> None:
+        """A forward that held ``ids`` returned: drop its holds, release the idle ones."""
+        ids = list(dict.fromkeys(ids))
+        for pid in ids:
+            self.uses[pid] = self.uses.get(pid, 0) - 1
+        self.settle(ids, step)
+
+    def idle(self) -> list[int]:
+        """Live ids nobody holds."""
+        return [pid for pid in self.live if not self.uses.get(pid)]
+
+    # ---------------------------------------------------------------------- release
+    def settle(self, ids: Iterable[int], step: Optional[StepState]) -> None:
+        """Release the idle ones among ``ids``, except those the plan keeps for reuse."""
+        idle = [pid for pid in ids if pid in self.live and not self.uses.get(pid)]
+        if not idle:
+            return
+        keep: frozenset = frozenset()
+        if step is not None and step.plan is not None and step.position is not None:
+            keep = keep_after_use(step.plan, step.position, idle, self.total,
+                                  self.knobs.max_live_parameters, self.knobs.max_reuse_distance)
+        self.release([pid for pid in idle if pid not in keep], step)
+
+    def make_room(self, own: set[int], step: Optional[StepState]) -> None:
+        """Release idle gathered params (farthest next use first) until the others fit the budget."""
+        others = self.total - sum(self.live.get(pid, 0) for pid in own)
+        excess = others - self.knobs.max_live_parameters
+        if excess <= 0:
+            return
+        idle = [(pid, size, step.next_use(pid) if step is not None else None)
+                for pid, size in self.live.items() if pid not in own and not self.uses.get(pid)]
+        victims = choose_evictions(idle, excess)
+        self.counters.evicted_params += len(victims)
+        self.release(victims, step)
+
+    def release(self, ids: Iterable[int], step: Optional[StepState] = None) -> None:
+        """Release the live ones among ``ids`` (freeing their storage into the pool); a step
+        whose prefetch already covered them is told to look at them again."""
+        params = []
+        for pid in ids:
+            size = self.live.pop(pid, None)
+            if size is not None:
+                self.total -= size
+                params.append(self.table.params[pid])
+                if step is not None and step.horizon is not None:
+                    step.recheck.add(pid)
+        if params:
+            release(params, free_storage=True, pool=self.pool)
+
+    def end_step(self) -> None:
+        """Release every idle parameter; the per-pass gather counts start over."""
+        self.release(self.idle())
+        self._pass_gathers.clear()
+
+    # ------------------------------------------------------------------- persistent
+    def persistent_to_gather(self) -> tuple[list[int], list[int]]:
+        """Persistent ids not gathered, and those gathered but stale (an optimizer stepped the shard)."""
+        todo, stale = [], []
+        for pid in self.table.persistent_ids:
+            m = self.table.records[pid]
+            if m.status is _NOT_AVAILABLE:
+                todo.append(pid)
+            elif not self.uses.get(pid) and is_stale(m):
+                stale.append(pid)
+        return todo, stale
+
+    def refresh_persistent(self, todo: list[int], stale: list[int]) -> None:
+        """Release the stale persistent params and gather them with ``todo`` in one collective."""
+        if stale:
+            release(self.table.select(stale), free_storage=True, pool=self.pool)
+            todo = sorted(todo + stale)
+        if todo:
+            self.counters.persistent_gathers += len(todo)
+            self.gather(todo, async_op=self.knobs.overlap_comm)
+
+    def release_all(self) -> None:
+        """Release every gathered parameter (persistent too) and drop the pool: detach."""
+        held = [pid for pid in self.table.params if self.resident(pid)]
+        release(self.table.select(held))
+        self.pool = None

@@ -1,0 +1,74 @@
+"""The parameter table of the coordinator: modules, which parameters each fetches, their
+records, sizes and which are persistent. Built once at ``attach``; only external
+parameters are added later."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from torch import nn
+
+from parts.comm import GroupArg
+from parts.partition.coordinator.plan import Knobs, select_persistent
+from parts.partition.core import disk
+from parts.partition.core.param import ParamMeta, meta
+
+__all__ = ["ParamTable"]
+
+
+class ParamTable:
+    """The attached model's modules (by index, in ``named_modules`` order) and parameters (by stable id).
+
+    ``sets[index]``: stable ids the module at ``index`` fetches (its own, then external ones);
+    ``version`` changes whenever a set grows. ``records``/``sizes``: each parameter's
+    ``ParamMeta`` and element count. ``persistent``: ids gathered once and kept gathered.
+    ``any_parked``: some shards live on disk (``parts.partition.core.disk``).
+    """
+
+    def __init__(self, module: nn.Module, knobs: Knobs) -> None:
+        named = list(module.named_modules())
+        self.modules: list[nn.Module] = [m for _, m in named]
+        self.names: list[str] = [n for n, _ in named]
+        self.index: dict[int, int] = {id(m): i for i, m in enumerate(self.modules)}
+        self.sets: list[list[int]] = [[] for _ in named]
+        self.params: dict[int, nn.Parameter] = {}
+        for index, sub in enumerate(self.modules):
+            for p in sub.parameters(recurse=False):
+                pid = meta(p).id
+                if pid not in self.sets[index]:
+                    self.sets[index].append(pid)
+                self.params[pid] = p
+        self.records: dict[int, ParamMeta] = {pid: meta(p) for pid, p in self.params.items()}
+        self.sizes: dict[int, int] = {pid: m.numel for pid, m in self.records.items()}
+        self._pids = {id(p): pid for pid, p in self.params.items()}
+        self.any_parked = any(disk.parked_version(m.shard) is not None for m in self.records.values())
+        self.persistent = select_persistent(self.sizes, knobs.persistence_threshold,
+                                            knobs.model_persistence_threshold)
+        self.persistent_ids = sorted(self.persistent)
+        self.version = 0
+
+    def pid(self, param: nn.Parameter) -> Optional[int]:
+        """Stable id of ``param`` if it is a parameter of the attached model."""
+        return self._pids.get(id(param))
+
+    def add_external(self, index: int, pid: int) -> bool:
+        """Let the module at ``index`` fetch ``pid`` too; True if that is new."""
+        if pid in self.sets[index]:
+            return False
+        self.sets[index].append(pid)
+        self.version += 1
+        return True
+
+    def select(self, ids: Iterable[int]) -> list[nn.Parameter]:
+        """The parameters of ``ids``, in that order."""
+        return [self.params[pid] for pid in ids]
+
+    def group(self, explicit: GroupArg) -> GroupArg:
+        """The process group the parameters are sharded over (``explicit`` if given)."""
+        if explicit is not None:
+            return explicit
+        return next(iter(self.records.values())).group if self.records else None
+
+    def persistent_elements(self) -> int:
+        """Elements of all persistent parameters."""
+        return sum(self.sizes[pid] for pid in self.persistent)
