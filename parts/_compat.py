@@ -8,12 +8,20 @@ torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "can_swap_storage_data", "swap_storage_data"]
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "can_swap_storage_data", "swap_storage_data",
+           "in_backward", "on_backward_end", "default_torch_function", "incompatible_keys",
+           "init_optimizer_hooks", "TENSOR_BASE", "TorchDispatchMode"]
+
+TENSOR_BASE = torch._C.TensorBase
+"""The C base class of ``torch.Tensor`` (the ``__objclass__`` of its methods)."""
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -43,3 +51,33 @@ def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Exchange the memory (pointer and byte size) of storages ``a`` and ``b``; tensors and
     views on either keep their storage object and see the other's bytes."""
     _SWAP_DATA(a, b)
+
+
+# ------------------------------------------------------------ torch internals, used only here
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (a graph task) on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def on_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass (graph task) finishes."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def default_torch_function(func: Callable, types: Any, args: tuple, kwargs: dict) -> Any:
+    """What ``torch.Tensor.__torch_function__`` does without subclass handling (plain dispatch)."""
+    return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
+    """The ``(missing_keys, unexpected_keys)`` named tuple ``nn.Module.load_state_dict`` returns."""
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """The hook dicts ``torch.optim.Optimizer.__init__`` creates, for a wrapper that cannot
+    run that ``__init__`` (its ``param_groups``/``state``/``defaults`` are the wrapped optimizer's)."""
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                 "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                 "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+        setattr(optimizer, name, OrderedDict())

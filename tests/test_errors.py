@@ -43,14 +43,11 @@ class Row:
     exc: type
     fragment: str
     ranks: tuple = (0, 1)  # rank rows: the ranks that must raise (the others must return)
-    gap: str = ""  # a known gap: the row is expected to fail (strict xfail) until it is fixed
 
 
 def _params(rows: list) -> list:
-    """pytest params of ``rows``; rows with a ``gap`` are strict xfails naming it."""
-    marks = lambda r: [pytest.mark.xfail(strict=True, reason=r.gap,  # noqa: E731
-                                         raises=(AssertionError, pytest.fail.Exception))] if r.gap else []
-    return [pytest.param(r, id=r.id, marks=marks(r)) for r in rows]
+    """pytest params of ``rows``, named by their ids."""
+    return [pytest.param(r, id=r.id) for r in rows]
 
 
 # ------------------------------------------------------------------------------ models

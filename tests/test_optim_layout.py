@@ -77,7 +77,7 @@ def roundtrip_body(shapes: list[list[tuple[int, ...]]], bucket: int):
     for fg in opt.flat_groups:  # rank-dependent values in the masters
         fg.master.add_(rank + 1)
         fg.master[fg.real_numel():] = float("nan")  # poisoned padding must never reach a param
-    opt._write_back()
+    opt.write_back()
     shifted = []
     for fg, og in zip(opt.flat_groups, originals):
         part = fg.layout.partition_numel

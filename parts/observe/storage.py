@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 import torch
+
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from parts._compat import TorchDispatchMode
 
 
 _NO_TENSORS = (int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -87,10 +89,6 @@ class StorageTracker(TorchDispatchMode):
     def live_bytes(self) -> int:
         """Bytes of the recorded storages that are still alive now."""
         return sum(nbytes for ref, nbytes in self._seen.values() if not ref.expired())
-
-    def live_count(self) -> int:
-        """Number of recorded storages still alive now."""
-        return sum(1 for ref, _ in self._seen.values() if not ref.expired())
 
 
 def _output_tensors(out: Any) -> Iterator[Optional[torch.Tensor]]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
+
+from parts._compat import init_optimizer_hooks
+from parts.comm import GroupArg, ProcessGroup, resolve_group
 
 from . import _collectives as C
 from . import state_dict as ckpt
@@ -15,7 +17,6 @@ from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .sharded import ShardedParam, is_partitioned, meta
-from parts.comm import GroupArg, ProcessGroup, resolve_group
 from .validation import ParamChecker, check_options
 
 __all__ = ["BF16Optimizer"]
@@ -59,7 +60,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                       grad_accum_dtype=grad_accum_dtype, norm_groups=self.norm_groups,
                       replicated=replicated)
         self.step_chunk, self.allow_fp32 = int(step_chunk), bool(allow_fp32)
-        self._init_hook_dicts()
+        init_optimizer_hooks(self)
         self.optimizer, self.process_group = optimizer, group
         self.clip_grad, self.norm_type = float(clip_grad), float(norm_type)
         self.grad_accum_dtype = grad_accum_dtype
@@ -84,12 +85,6 @@ class BF16Optimizer(torch.optim.Optimizer):
         parts = [fg.master.numel() for fg in self.flat_groups if fg is not None]
         self._buckets = plan_buckets(parts, allgather_bucket_size, self.world_size)
         self._patch_step_function()
-
-    def _init_hook_dicts(self) -> None:
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
 
     # -- what LR schedulers and users read ---------------------------------------------------
     @property
@@ -239,7 +234,7 @@ class BF16Optimizer(torch.optim.Optimizer):
             return loss
         self._scale_grads(grads, norm, scale)
         self.optimizer.step()
-        self._write_back()
+        self.write_back()
         return loss
 
     def _sharded_have_grads(self) -> bool:
@@ -302,7 +297,9 @@ class BF16Optimizer(torch.optim.Optimizer):
                        "(%d skipped so far)", self.rank, where, self.last_grad_norm, scale,
                        self.skipped_steps)
 
-    def _write_back(self) -> None:
+    def write_back(self) -> None:
+        """Copy the fp32 masters into the model-dtype params: every rank's partitions are
+        all-gathered into the flat buffers, sharded params' shards are written in place."""
         masters, flats = [], []
         for fg in self.flat_groups:
             if fg is not None:
@@ -335,7 +332,8 @@ class BF16Optimizer(torch.optim.Optimizer):
         return names
 
     # -- accessors --------------------------------------------------------------------------
-    def _locate(self, p: torch.Tensor) -> tuple[str, int, int]:
+    def locate(self, p: torch.Tensor) -> tuple[str, int, int]:
+        """Where ``p`` lives: ``("flat", group, index)`` or ``("sharded", group, index)``."""
         where = self._where.get(id(p))
         if where is None:
             raise KeyError(f"parameter of shape {tuple(p.shape)} is not managed by this BF16Optimizer")

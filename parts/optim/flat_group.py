@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from parts.csrc import flatten
+from parts.csrc import copy_in
 
 from .layout import GroupLayout, chunk_ranges
 
@@ -27,9 +27,7 @@ class FlatGroup:
         dtype, device = params[0].dtype, params[0].device
         size = self.layout.padded_numel
         self.flat = torch.zeros(size, dtype=dtype, device=device)
-        packed = flatten([p.detach() for p in params])
-        self.flat.narrow(0, 0, packed.numel()).copy_(packed)
-        del packed
+        copy_in([p.detach() for p in params], self.flat, self.layout.offsets)  # no packed temporary
         for p, off in zip(self.params, self.layout.offsets):
             p.data = self.flat.narrow(0, off, p.numel()).view(p.shape)
         self.grad = torch.zeros(size, dtype=grad_dtype, device=device)

@@ -1,4 +1,4 @@
-"""BF16Optimizer checkpoints: per-rank dicts that re-slice at any world size, and a consolidated form.
+"""BF16Optimizer state dicts: per-rank dicts that re-slice at any world size, and a consolidated form.
 
 A rank's dict holds, per group, the real (unpadded) elements of its fp32 master
 partition and of every per-element optimizer state tensor, plus per-parameter
@@ -10,13 +10,18 @@ tensors, numbers, strings, lists, tuples and dicts: ``torch.load(weights_only=Tr
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 from . import _collectives as C
 from .layout import source_ranges
 from .load_checks import check_dtypes, check_names
+
+if TYPE_CHECKING:  # the optimizer imports this module
+    from .bf16_optimizer import BF16Optimizer
+    from .flat_group import FlatGroup
+    from .sharded import ShardedParam
 
 __all__ = ["rank_state_dict", "consolidated_state_dict", "load", "full_param_tensor",
            "full_grad_tensor", "flat_state", "set_flat_state"]
@@ -28,7 +33,7 @@ def _is_elementwise(value: Any, master: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == master.numel()
 
 
-def flat_state(inner: Any, fg: Any) -> dict:
+def flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup") -> dict:
     """The wrapped optimizer's state of ``fg``'s master chunks, merged into partition-sized tensors."""
     states = [inner.state.get(c, {}) for c in fg.master_chunks]
     if not states or not states[0]:
@@ -43,7 +48,7 @@ def flat_state(inner: Any, fg: Any) -> dict:
     return out
 
 
-def set_flat_state(inner: Any, fg: Any, state: dict) -> None:
+def set_flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup", state: dict) -> None:
     """Split partition-sized ``state`` over ``fg``'s master chunks (each gets its own scalars)."""
     for chunk, (start, length) in zip(fg.master_chunks, fg.chunks):
         inner.state.pop(chunk, None)
@@ -64,11 +69,11 @@ def _split_state(state: dict, master: torch.Tensor, real: int) -> tuple[dict, di
     return elem, other
 
 
-def _options(opt: Any) -> list[dict]:
+def _options(opt: "BF16Optimizer") -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
 
 
-def _param_meta(opt: Any) -> list[dict]:
+def _param_meta(opt: "BF16Optimizer") -> list[dict]:
     out = []
     for g, fg in enumerate(opt.flat_groups):
         for i, (p, name) in enumerate(zip(fg.params if fg else [], fg.names if fg else [])):
@@ -86,7 +91,7 @@ def _record(master: torch.Tensor, state: dict, real: int, start: int) -> dict:
             "state": elem, "scalars": other}
 
 
-def rank_state_dict(opt: Any) -> dict:
+def rank_state_dict(opt: "BF16Optimizer") -> dict:
     """This rank's checkpoint: real master/state elements, options and parameter metadata."""
     opt.sync_masters()
     groups = []
@@ -106,14 +111,14 @@ def rank_state_dict(opt: Any) -> dict:
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None}
 
 
-def _gather_full(opt: Any, master: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+def _gather_full(opt: "BF16Optimizer", master: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
     full = C.all_gather_partition(master, opt.comm)
     elem = {k: C.all_gather_partition(v.reshape(-1), opt.comm)
             for k, v in state.items() if _is_elementwise(v, master)}
     return full, elem
 
 
-def consolidated_state_dict(opt: Any) -> Optional[dict]:
+def consolidated_state_dict(opt: "BF16Optimizer") -> Optional[dict]:
     """Full per-parameter fp32 master and state on rank 0, one group at a time (a collective)."""
     opt.sync_masters()
     masters, states, scalars = {}, {}, {}
@@ -217,7 +222,7 @@ def _fill(reader: _Reader, master: torch.Tensor, pieces: list[tuple[str, int, in
     return state
 
 
-def _model_shapes(opt: Any) -> dict[str, Sequence[int]]:
+def _model_shapes(opt: "BF16Optimizer") -> dict[str, Sequence[int]]:
     """Name -> shape of every parameter ``opt`` manages."""
     out: dict[str, Sequence[int]] = {}
     for g, fg in enumerate(opt.flat_groups):
@@ -227,7 +232,7 @@ def _model_shapes(opt: Any) -> dict[str, Sequence[int]]:
     return out
 
 
-def load(opt: Any, source: Any, strict: bool = True) -> None:
+def load(opt: "BF16Optimizer", source: Any, strict: bool = True) -> None:
     """Load a consolidated dict, or saved rank dicts (all, or at least those this rank's new
     partition overlaps; at an unchanged world size, this rank's own), into ``opt``.
 
@@ -252,19 +257,19 @@ def load(opt: Any, source: Any, strict: bool = True) -> None:
     opt.skipped_steps = reader.first["skipped_steps"]
     if opt.loss_scaler is not None and reader.first["loss_scaler"] is not None:
         opt.loss_scaler.load_state_dict(reader.first["loss_scaler"])
-    opt._write_back()
+    opt.write_back()
 
 
-def _set_state(opt: Any, master: torch.Tensor, state: dict) -> None:
+def _set_state(opt: "BF16Optimizer", master: torch.Tensor, state: dict) -> None:
     opt.optimizer.state.pop(master, None)
     if state:
         opt.optimizer.state[master] = state
 
 
-def full_param_tensor(opt: Any, p: torch.Tensor, key: Optional[str]) -> Any:
+def full_param_tensor(opt: "BF16Optimizer", p: torch.Tensor, key: Optional[str]) -> Any:
     """Full fp32 master (``key`` None) or state ``key`` of ``p`` gathered across ranks."""
     opt.sync_masters()
-    kind, g, i = opt._locate(p)
+    kind, g, i = opt.locate(p)
     if kind == "flat":
         fg = opt.flat_groups[g]
         master, off, shape = fg.master, fg.layout.offsets[i], p.shape
@@ -282,9 +287,9 @@ def full_param_tensor(opt: Any, p: torch.Tensor, key: Optional[str]) -> Any:
     return full.narrow(0, off, _numel(shape)).view(shape).clone()
 
 
-def full_grad_tensor(opt: Any, p: torch.Tensor) -> torch.Tensor:
+def full_grad_tensor(opt: "BF16Optimizer", p: torch.Tensor) -> torch.Tensor:
     """Full grad of ``p`` averaged across ranks (a collective)."""
-    kind, g, i = opt._locate(p)
+    kind, g, i = opt.locate(p)
     if kind == "flat":
         view = opt.flat_groups[g].grad_view(i)
         return C.all_reduce_mean(view, opt.comm)
@@ -306,7 +311,7 @@ def _adopted(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == numel
 
 
-def adopt_flat_state(inner: Any, fg: Any, states: list[dict]) -> None:
+def adopt_flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup", states: list[dict]) -> None:
     """Re-slice per-parameter state (from before wrapping) onto ``fg``'s master partition."""
     index, first = next((i, st) for i, st in enumerate(states) if st)
     state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in first.items()
@@ -320,7 +325,7 @@ def adopt_flat_state(inner: Any, fg: Any, states: list[dict]) -> None:
     set_flat_state(inner, fg, state)
 
 
-def adopt_sharded_state(inner: Any, s: Any, old: dict) -> None:
+def adopt_sharded_state(inner: torch.optim.Optimizer, s: "ShardedParam", old: dict) -> None:
     """Move a sharded parameter's pre-wrapping state onto its master (full or shard-shaped)."""
     start, stop = s.layout.range(s.rank)
     state = {}

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from parts._compat import TENSOR_BASE
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, in_internal, internal, is_partitioned, meta, metas_sorted
 from parts.partition.core.sharding import reshard
@@ -98,7 +99,7 @@ def _shape_answer(func: Any, args: tuple, kwargs: dict, released: list) -> Any:
     if getattr(func, "__name__", "") == "__get__" and getattr(owner, "__name__", "") in _SHAPE_ATTRS:
         return shape if owner.__name__ == "shape" else len(shape)
     name = getattr(func, "__name__", "")
-    if name not in _SHAPE_METHODS or getattr(func, "__objclass__", None) is not torch._C.TensorBase:
+    if name not in _SHAPE_METHODS or getattr(func, "__objclass__", None) is not TENSOR_BASE:
         return NotImplemented
     if name == "size":
         dim = args[1] if len(args) > 1 else kwargs.get("dim")

@@ -12,6 +12,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from parts._compat import in_backward, on_backward_end
+
 __all__ = ["WatchedParameters", "in_backward", "on_backward_end", "register_pre_backward",
            "tensors_in", "ModuleHooks"]
 
@@ -58,16 +60,6 @@ def register_pre_backward(output: Any, fire: Callable[[], None]) -> bool:
         elif node not in nodes:  # a pre-hook on the node runs before it computes input grads
             nodes[node] = node.register_prehook(hook)
     return True
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def on_backward_end(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the current backward pass (graph task) finishes."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 class WatchedParameters(dict):

@@ -63,7 +63,8 @@ class GatherHandle:
             h.wait()
 
 
-def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[StoragePool]) -> GatherHandle:
+def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[StoragePool],
+            joined: Iterable[GatherHandle]) -> GatherHandle:
     """Start the all-gather of every shard straight into its full tensor; the handle finishes."""
     sends, fulls = [], []
     for _, m in pairs:
@@ -79,7 +80,7 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
             p.data = full
             m.full_ptr = full.untyped_storage().data_ptr()
 
-    return GatherHandle(pairs, work, unpack)
+    return GatherHandle(pairs, work, unpack, joined)
 
 
 def _full_for(m: ParamMeta, pool: Optional[StoragePool]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +123,7 @@ def gather(params: Iterable[nn.Parameter], group: GroupArg = None, async_op: boo
               if m.status is ParamStatus.INFLIGHT and m.handle is not None}
     handle = GatherHandle([], joined=joined.values())
     if todo:
-        handle = _launch(todo, info, async_op, pool)
-        handle._joined = list(joined.values())
+        handle = _launch(todo, info, async_op, pool, joined.values())
         for _, m in todo:
             m.status, m.handle = ParamStatus.INFLIGHT, handle
     if not async_op:

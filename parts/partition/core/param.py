@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -45,6 +46,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from parts._compat import default_torch_function
 from parts.comm import GroupArg, GroupInfo
 from parts.partition.core import disk
 from parts.base.layout import ShardLayout
@@ -263,7 +265,7 @@ class ReleasedParameter(nn.Parameter):
             p = _first_released(args, kwargs)
             if p is not None:
                 raise RuntimeError(_released_message(p, f"torch op `{_op_name(func)}`"))
-        out = torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        out = default_torch_function(func, types, args, kwargs)
         if _attr_name(func) == "data" and func.__name__ == "__get__" and not in_internal():
             p = _first_released(args, kwargs)
             if p is not None:  # user code: a write through the empty .data would go nowhere
@@ -295,7 +297,7 @@ class ReleasedData(torch.Tensor):
                 owner = a.__dict__.get("_parts_owner") if type(a) is ReleasedData else None
                 if owner is not None:
                     raise RuntimeError(_data_message(owner, _op_name(func)))
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        return default_torch_function(func, types, args, kwargs)
 
 
 def _data_message(p: torch.Tensor, op: str) -> str:
@@ -359,17 +361,20 @@ def common_info(pairs: list[tuple[torch.Tensor, ParamMeta]], group: GroupArg, wh
     return first.info
 
 
-class _Internal(contextlib.ContextDecorator):
-    """Marks library code: the construction-time interceptor of ``partitioned`` stands aside."""
+class _Internal(contextlib.ContextDecorator, threading.local):
+    """Marks library code: the construction-time interceptor of ``partitioned`` stands aside.
+
+    The nesting depth is per thread: library code running on one thread does not switch the
+    guards off for another."""
 
     depth = 0
 
     def __enter__(self) -> "_Internal":
-        _Internal.depth += 1
+        self.depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _Internal.depth -= 1
+        self.depth -= 1
 
 
 internal = _Internal()
@@ -377,4 +382,4 @@ internal = _Internal()
 
 def in_internal() -> bool:
     """True while library code runs (the interceptor must not act)."""
-    return _Internal.depth > 0
+    return internal.depth > 0

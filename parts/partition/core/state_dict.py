@@ -15,8 +15,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
+from parts._compat import incompatible_keys
 from parts.comm import GroupInfo, broadcast, broadcast_object, resolve_group
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted, stamp
@@ -108,7 +108,7 @@ def _verdict(own: Mapping[str, Any], sd: Mapping[str, Any], strict: bool) -> Opt
 
 @internal
 def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], strict: bool = True,
-                         bucket_numel: int = _BUCKET) -> _IncompatibleKeys:
+                         bucket_numel: int = _BUCKET) -> Any:
     """Load rank 0's full ``sd`` into a (sharded) module; returns rank 0's missing/unexpected
     keys on every rank (what was loaded everywhere)."""
     _check_module(module, "load_full_state_dict")
@@ -138,7 +138,7 @@ def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], str
                 if info.rank == 0:
                     v.copy_(sd[k])
                 broadcast(v.data, 0, info)
-    return _IncompatibleKeys(missing, unexpected)
+    return incompatible_keys(missing, unexpected)
 
 
 def _load_bucket(bucket: list, values: list, info: GroupInfo) -> None:
