@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     add("--n-embd", type=int, default=128)
     add("--seq-len", type=int, default=128)
     add("--batch-size", type=int, default=16, help="sequences per rank per step")
-    add("--steps", type=int, default=540, help="optimizer steps in this run")
+    add("--steps", type=int, default=600, help="optimizer steps in this run")
     add("--lr", type=float, default=5e-3)
     add("--warmup", type=int, default=20)
     add("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
