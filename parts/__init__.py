@@ -1,9 +1,12 @@
 """parts: ZeRO building blocks for PyTorch.
 
-Each subpackage stands alone: ``parts.partition`` (sharded parameters and the
-fetch/release coordinator), ``parts.optim`` (the flat-buffer BF16 optimizer),
-``parts.checkpoint`` (partitioned activation checkpointing), ``parts.csrc``
-(native flatten/copy ops) and ``parts.observe`` (memory and time reporting).
+Each part stands alone: ``parts.partition`` (sharded parameters and the fetch/release
+coordinator), ``parts.offload`` (shards and optimizer state on disk), ``parts.optim`` (the
+flat-buffer BF16 optimizer), ``parts.checkpoint`` (partitioned activation checkpointing),
+``parts.parallel`` (tensor parallelism) and ``parts.observe`` (memory and time reporting).
+Below them: ``parts.base`` (shard arithmetic, device helpers), ``parts.comm`` (process
+groups, collectives, byte counter), ``parts.csrc`` (native copy ops) and ``parts._compat``
+(torch-version shims and internals). See CONTRIBUTING.md for who owns what.
 """
 
 __version__ = "0.1.0"

@@ -58,6 +58,9 @@ class _State:
 
 
 _state = _State()
+"""Process-wide because what it records is: ``partitioned`` patches ``nn.Module`` itself (its
+subclasses' ``__init__``, ``apply``, ``register_parameter``) for every thread, and nested
+contexts share those patches. Nothing to configure; empty whenever no context is active."""
 
 
 def _owned(module: nn.Module):

@@ -40,6 +40,8 @@ _SHAPE_ATTRS = {"shape", "ndim"}
 _SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
 
 _frames: list[dict[int, nn.Parameter]] = []
+"""Open frames, innermost last. Process-wide like the ``nn.Module`` patches of ``partitioned``
+that open them (construct.py's ``_state``); empty whenever no ``partitioned`` context is active."""
 
 
 def push_frame() -> None:
