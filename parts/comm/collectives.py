@@ -129,4 +129,4 @@ def comm_device(info: GroupInfo) -> torch.device:
     acc = getattr(torch, "accelerator", None)
     if info.group is None or info.backend == "gloo" or acc is None or not acc.is_available():
         return torch.device("cpu")
-    return acc.current_accelerator()
+    return torch.device(acc.current_accelerator().type, acc.current_device_index())

@@ -7,25 +7,19 @@ which a fresh environment does not have; nothing in ``parts`` or its recipes use
 from __future__ import annotations
 
 import pickle
-from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
+
+from parts.comm.collectives import all_gather_list, broadcast, comm_device
+from parts.comm.group import GroupArg, GroupInfo, group_info
 
 __all__ = ["all_gather_objects", "broadcast_object"]
 
 
-def _active(group: Optional[Any]) -> bool:
-    """True when a process group is up and ``group`` has more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _device(group: Optional[Any]) -> torch.device:
-    """Where the backend of ``group`` wants its tensors: CPU for gloo, the accelerator otherwise."""
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    acc = torch.accelerator.current_accelerator()
-    return torch.device(acc.type, torch.accelerator.current_device_index()) if acc else torch.device("cpu")
+def _active(group: GroupArg) -> GroupInfo | None:
+    """The resolved ``group`` if it has more than one rank, else None (nothing to exchange)."""
+    info = group_info(group, "parts.comm object exchange")
+    return info if info.world_size > 1 else None
 
 
 def _to_bytes(obj: object, device: torch.device) -> torch.Tensor:
@@ -42,34 +36,31 @@ def _from_bytes(data: torch.Tensor) -> object:
     return pickle.loads(payload)
 
 
-def all_gather_objects(obj: object, group: Optional[Any] = None) -> list[object]:
+def all_gather_objects(obj: object, group: GroupArg = None) -> list[object]:
     """Every rank's picklable ``obj``, in group-rank order (``[obj]`` without a process group)."""
-    if not _active(group):
+    info = _active(group)
+    if info is None:
         return [obj]
-    device = _device(group)
+    device = comm_device(info)
     mine = _to_bytes(obj, device)
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
+    sizes = all_gather_list(torch.tensor([mine.numel()], dtype=torch.int64, device=device), info)
     longest = max(int(size.item()) for size in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
-    received = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(received, padded, group=group)
+    received = all_gather_list(padded, info)
     return [_from_bytes(data[: int(size.item())]) for data, size in zip(received, sizes)]
 
 
-def broadcast_object(obj: object, src: int = 0, group: Optional[Any] = None) -> object:
+def broadcast_object(obj: object, src: int = 0, group: GroupArg = None) -> object:
     """``obj`` of group rank ``src`` on every rank (the argument is ignored elsewhere)."""
-    if not _active(group):
+    info = _active(group)
+    if info is None:
         return obj
-    device = _device(group)
-    source = dist.get_global_rank(group, src) if group is not None else src
-    is_source = dist.get_rank(group) == src
-    data = _to_bytes(obj, device) if is_source else None
+    device = comm_device(info)
+    data = _to_bytes(obj, device) if info.rank == src else None
     size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=source, group=group)
+    broadcast(size, src, info)
     if data is None:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=source, group=group)
+    broadcast(data, src, info)
     return _from_bytes(data)
