@@ -48,16 +48,16 @@ from __future__ import annotations
 import sys
 import weakref
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from parts._compat import in_backward, on_backward_end
 from parts.comm import GroupArg
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence, StepCheck
-from parts.partition.coordinator.hooks import (ModuleHooks, in_backward, on_backward_end,
-                                               register_pre_backward)
+from parts.partition.coordinator.hooks import ModuleHooks, register_pre_backward
 from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.prefetch import Prefetcher
@@ -366,7 +366,7 @@ def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **
     return coordinator.attach(module)
 
 
-def detach(module_or_coordinator: Any) -> None:
+def detach(module_or_coordinator: Union[nn.Module, "FetchCoordinator"]) -> None:
     """Remove the coordinator hooks from a model (or detach the given coordinator)."""
     if isinstance(module_or_coordinator, FetchCoordinator):
         module_or_coordinator.detach()

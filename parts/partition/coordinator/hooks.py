@@ -12,10 +12,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from parts._compat import in_backward, on_backward_end
 
-__all__ = ["WatchedParameters", "in_backward", "on_backward_end", "register_pre_backward",
-           "tensors_in", "ModuleHooks"]
+__all__ = ["WatchedParameters", "register_pre_backward", "tensors_in", "ModuleHooks"]
 
 _MAX_DEPTH = 8
 

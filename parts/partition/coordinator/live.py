@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence, Union
 
 from parts.comm import GroupArg
-from parts.partition.coordinator.hooks import in_backward
+from parts._compat import in_backward
 from parts.partition.coordinator.plan import Knobs, choose_evictions, collective_bytes, keep_after_use
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState

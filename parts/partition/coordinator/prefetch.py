@@ -13,7 +13,8 @@ from typing import Sequence
 from parts.partition.core import disk
 from parts.partition.coordinator.debug import StepCheck
 from parts.partition.coordinator.live import LiveSet
-from parts.partition.coordinator.plan import Knobs, build_plan, next_use, prefetch_chunks, prefetch_targets
+from parts.partition.coordinator.plan import (Knobs, StepPlan, build_plan, next_use, prefetch_chunks,
+                                              prefetch_targets)
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
@@ -32,7 +33,7 @@ class Prefetcher:
         self.table, self.live, self.knobs, self.check, self.counters = table, live, knobs, check, counters
         self.book = TraceBook()
         self.prefetched: set[int] = set()  # issued by prefetch, not yet used by a fetch
-        self._plans: dict[tuple, object] = {}
+        self._plans: dict[tuple, StepPlan] = {}
 
     def observe(self, step: StepState, kind: str, index: int) -> None:
         """Record the event in the trace; if the step follows a stored trace, plan along it."""
