@@ -81,7 +81,7 @@ def _check_available(module: nn.Module, args: Any) -> None:
             raise RuntimeError(
                 f"parts.partition: {m.describe()} is {m.status.value} in the forward of module "
                 f"'{module.__dict__.get(_NAME, '')}' ({type(module).__name__}); gather it first "
-                f"(parts.partition.core.gather, gathered(...), or attach a FetchCoordinator)")
+                f"(parts.partition.gather, gathered(...), or attach a FetchCoordinator)")
 
 
 def _check_loadable(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:

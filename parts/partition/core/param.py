@@ -241,7 +241,7 @@ def _released_message(p: torch.Tensor, what: str) -> str:
     state = (f"still being gathered (sharded over {ranks}; wait() its GatherHandle first)"
              if m.status is ParamStatus.INFLIGHT else f"released (sharded over {ranks}; p.data is empty)")
     return (f"parts.partition: {m.describe()} is {state}; {what} cannot use it. Gather it first: "
-            f"`with parts.partition.core.gathered(params):`, parts.partition.core.gather(params), or attach a "
+            f"`with parts.partition.gathered(params):`, parts.partition.gather(params), or attach a "
             f"FetchCoordinator (for weights: parts.partition.full_state_dict)")
 
 
