@@ -29,8 +29,7 @@ Example (``torchrun --nproc-per-node 2``)::
 from parts.base.layout import ShardLayout
 from parts.comm.counter import CommCounter, comm_counter
 from parts.partition.construction.construct import partition_module, partitioned
-from parts.partition.core.gather import GatherHandle, gather, release
-from parts.partition.core.gathered import gathered
+from parts.partition.core.gather import GatherHandle, gather, gathered, release
 from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shards
 from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, meta
 from parts.partition.core.state_dict import full_state_dict, load_full_state_dict

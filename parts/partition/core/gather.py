@@ -1,4 +1,5 @@
-"""Gather and release sharded parameters: one group of all-gathers per call, no copies.
+"""Gather and release sharded parameters (one group of all-gathers per call, no copies), and
+``gathered``: full parameters inside a ``with`` block.
 
 ``gather`` all-gathers the shard of every requested parameter (sorted by id, so all ranks
 issue the same sequence) straight into the storage of its full tensor: the shard is the
@@ -17,7 +18,8 @@ steps all ranks' shards, or the ranks would disagree on the collective.)
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import contextlib
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -25,10 +27,11 @@ from torch import nn
 from parts.comm import GroupArg, GroupInfo, all_gather_many
 from parts.partition.core import disk
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
-                                   internal, is_stale, metas_sorted, stamp)
+                                   internal, is_partitioned, is_stale, metas_sorted, stamp)
+from parts.partition.core.sharding import reshard
 from parts.partition.core.storage_pool import StoragePool
 
-__all__ = ["GatherHandle", "gather", "release"]
+__all__ = ["GatherHandle", "gather", "release", "gathered"]
 
 Pairs = list[tuple[nn.Parameter, ParamMeta]]
 
@@ -164,3 +167,43 @@ def _empty_storage(storage: torch.UntypedStorage, pool: Optional[StoragePool]) -
     """Leave ``storage`` with 0 bytes: its memory goes to ``pool`` if it takes it, else is freed."""
     if pool is None or not pool.put(storage):
         storage.resize_(0)
+
+
+@contextlib.contextmanager
+def gathered(params: Iterable[nn.Parameter], modifier_rank: Optional[int] = None) -> Iterator[None]:
+    """Full ``params`` inside the block; re-sharded from ``modifier_rank`` on exit (else discarded).
+
+    On entry the params are gathered (one collective; those already AVAILABLE are kept as
+    they are, unless their shard changed since they were gathered: those are fetched again). On normal exit:
+
+    * with ``modifier_rank=r``: rank ``r``'s full values are broadcast and re-sharded, so
+      every rank's shard (and the full tensor of params that stay available) hold them;
+    * without it: changes are discarded. Params gathered on entry are released; params
+      that were already AVAILABLE stay AVAILABLE and get back the values they had on entry
+      (a copy is kept for the block), so a nested block cannot undo an outer one's writes.
+
+    Params that were AVAILABLE before stay AVAILABLE after, which makes nesting safe. If
+    the block raises, no collective is issued on the way out (the other ranks may not be
+    there): params gathered on entry are released, the others left as they are.
+    """
+    params = [params] if isinstance(params, nn.Parameter) else list(params)
+    pairs = metas_sorted(p for p in params if is_partitioned(p))
+    if pairs and modifier_rank is not None and not 0 <= modifier_rank < pairs[0][1].world_size:
+        raise ValueError(f"gathered: modifier_rank={modifier_rank} is outside the group of "
+                         f"{pairs[0][1].world_size} ranks")
+    before = [(p, m) for p, m in pairs if m.status is ParamStatus.AVAILABLE]
+    ours = [(p, m) for p, m in pairs if m.status is not ParamStatus.AVAILABLE]
+    gather([p for p, _ in pairs])  # also refreshes AVAILABLE params whose shard changed
+    saved = [p.data.clone() for p, _ in before] if modifier_rank is None else []
+    try:
+        yield
+    except BaseException:
+        release([p for p, _ in ours])
+        raise
+    with internal:
+        if modifier_rank is not None:
+            reshard(pairs, modifier_rank, keep=True)
+        else:
+            for (p, _), value in zip(before, saved):
+                p.data.copy_(value)
+        release([p for p, _ in ours])
