@@ -16,12 +16,13 @@ import hashlib
 import io
 import os
 import tempfile
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 import torch
 
-__all__ = ["CheckpointError", "save", "load", "read_manifest"]
+__all__ = ["CheckpointError", "save", "load", "read_manifest", "check_loadable"]
 
 FORMAT = "parts-checkpoint/1"
 _MAGIC = b"PARTSCK1"
@@ -46,9 +47,40 @@ def _tensor_entries(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
             yield from _tensor_entries(value, f"{prefix}.{index}" if prefix else str(index))
 
 
+_PLAIN = (str, bytes, int, float, bool, type(None), torch.Size, torch.dtype, torch.device)
+_HINT = {"Namespace": "vars(args)", "PosixPath": "str(path)", "WindowsPath": "str(path)"}
+
+
+def check_loadable(obj: Any, where: str = "obj") -> None:
+    """Raise ``TypeError`` naming the first value ``load`` (``weights_only``) would refuse:
+    only tensors, numbers, strings, bytes, None, dtypes, devices, lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor) or (isinstance(obj, _PLAIN) and type(obj) in _PLAIN):
+        return
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        for index, value in enumerate(obj):
+            check_loadable(value, f"{where}[{index}]")
+        return
+    if isinstance(obj, dict) and type(obj).__name__ in ("dict", "OrderedDict"):
+        for key, value in obj.items():
+            check_loadable(key, f"a key of {where}")
+            check_loadable(value, f"{where}[{key!r}]")
+        return
+    name = type(obj).__name__
+    hint = _HINT.get(name, ".item()/.tolist()" if type(obj).__module__ == "numpy" else "a dict "
+                     "of plain values")
+    raise TypeError(f"parts.io.save: {where} is a {type(obj).__module__}.{name}, which "
+                    f"parts.io.load (torch.load weights_only=True) refuses; the file could not be "
+                    f"loaded. Save plain values instead (e.g. {hint})")
+
+
 def _manifest(obj: Any, payload: bytes, world_size: Optional[int], step: Optional[int]) -> dict:
-    tensors = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-               for name, t in _tensor_entries(obj)}
+    tensors: dict[str, dict] = {}
+    for name, t in _tensor_entries(obj):
+        if name in tensors:
+            raise ValueError(f"parts.io.save: two tensors are both named {name!r} in the manifest "
+                             f"(a key with a dot beside nested dicts, or 0 beside '0'); load "
+                             f"could not tell them apart. Rename one of the keys")
+        tensors[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     return {"format": FORMAT, "world_size": world_size, "step": step, "tensors": tensors,
             "payload_bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
 
@@ -61,14 +93,22 @@ def _serialize(value: Any) -> bytes:
 
 def save(obj: Any, path: PathLike, *, world_size: Optional[int] = None,
          step: Optional[int] = None) -> dict:
-    """Write ``obj`` to ``path`` atomically with a manifest; return the manifest."""
+    """Write ``obj`` to ``path`` atomically with a manifest; return the manifest.
+
+    Raises before writing anything if ``load`` could not read ``obj`` back (a value type
+    ``weights_only`` refuses, two tensors with the same manifest name)."""
     path = Path(path)
+    check_loadable(obj)
+    _manifest(obj, b"", world_size, step)  # names checked before the payload is built
     payload = _serialize(obj)
     manifest = _manifest(obj, payload, world_size, step)
     header = _serialize(manifest)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _remove_stale_temporaries(path)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+                                    suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # what open() (and torch.save) gives; mkstemp gives 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(_MAGIC + len(header).to_bytes(8, "little") + len(payload).to_bytes(8, "little"))
             handle.write(header)
@@ -81,6 +121,31 @@ def save(obj: Any, path: PathLike, *, world_size: Optional[int] = None,
         raise
     _fsync_directory(path.parent)
     return manifest
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete temporary files of earlier saves to ``path`` whose writing process is gone
+    (killed mid-write); a save still running in another live process keeps its file."""
+    for tmp in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_directory(directory: Path) -> None:
