@@ -43,10 +43,12 @@ def parse_args() -> argparse.Namespace:
     add = ap.add_argument
     add("--params", choices=sorted(PRESETS, key=lambda k: PRESETS[k][0] * PRESETS[k][1] ** 2), default="1.7B")
     add("--store", default="/tmp/parts-offload", help="directory of the per-rank scratch stores")
-    add("--seq-len", type=int, default=32)
+    add("--seq-len", type=int, default=16)
     add("--batch-size", type=int, default=1, help="sequences per rank per step")
-    add("--steps", type=int, default=5)
-    add("--lr", type=float, default=1e-4)
+    add("--steps", type=int, default=4)
+    add("--lr", type=float, default=1e-5)
+    add("--warmup", type=int, default=3, help="steps of linear LR warm-up (Adam's first steps are sign steps)")
+    add("--in-memory", action="store_true", help="shards and state in memory (a comparison at small --params)")
     add("--seed", type=int, default=1234)
     add("--chunk-mib", type=int, default=256, help="optimizer chunk (parameter + grad + state bytes)")
     add("--io-threads", type=int, default=4)
@@ -94,21 +96,25 @@ def check_disk(path: str, need: int) -> None:
 def build(args: argparse.Namespace, store: DiskStore):
     torch.manual_seed(args.seed)
     config = config_of(args)
-    with partitioned(remote_device=store):
+    with partitioned(remote_device=None if args.in_memory else store):
         model = GPT(config)
     layer = 12 * config.n_embd ** 2
     attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
            persistence_threshold=4 * config.n_embd, reduce_bucket_size=layer)
     inner = torch.optim.AdamW(shards(model), lr=args.lr, weight_decay=0.0)
-    return model, OffloadedOptimizer(inner, store, chunk_bytes=args.chunk_mib << 20)
+    optimizer = inner if args.in_memory else OffloadedOptimizer(inner, store, chunk_bytes=args.chunk_mib << 20)
+    warm = max(args.warmup, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    return model, optimizer, schedule
 
 
-def train_step(model, optimizer, tokens, gen, args) -> float:
+def train_step(model, optimizer, schedule, tokens, gen, args) -> float:
     x, y = batch(tokens, args.batch_size, args.seq_len, gen)
     loss = model(x, y)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+    schedule.step()
     mean = loss.detach().clone()
     dist.all_reduce(mean)
     return mean.item() / dist.get_world_size()
@@ -144,9 +150,10 @@ def main() -> None:
     store = DiskStore(os.path.join(args.store, f"rank{rank}"), threads=args.io_threads,
                       max_inflight_bytes=args.inflight_mib << 20)
     if rank == 0:
-        print(f"store: {store.mode}; building {args.params} under partitioned(remote_device=store)", flush=True)
+        where = "partitioned() in memory" if args.in_memory else "partitioned(remote_device=store)"
+        print(f"store: {store.mode}; building {args.params} under {where}", flush=True)
     start = time.perf_counter()
-    model, optimizer = build(args, store)
+    model, optimizer, schedule = build(args, store)
     built = broadcast_object(time.perf_counter() - start, src=0)
     if rank == 0:
         print(f"built in {report.clock(built)}; RSS {snapshot().rss_bytes / 2**20:.0f} MiB on rank 0", flush=True)
@@ -155,7 +162,7 @@ def main() -> None:
     timer, losses = CommTimer(), []
     for step in range(1, args.steps + 1):
         before, comm0, t0 = store.stats.snapshot(), timer.seconds, time.perf_counter()
-        losses.append(train_step(model, optimizer, tokens, gen, args))
+        losses.append(train_step(model, optimizer, schedule, tokens, gen, args))
         wall = time.perf_counter() - t0
         rss = all_gather_objects(snapshot().rss_bytes)
         if rank == 0:
