@@ -43,7 +43,7 @@ class StoreStats:
 
     bytes_read: int = 0
     bytes_written: int = 0
-    read_seconds: float = 0.0  # summed over IO threads
+    read_seconds: float = 0.0  # transfer time summed over IO threads
     write_seconds: float = 0.0
     busy_seconds: float = 0.0
     wait_seconds: float = 0.0  # time callers spent blocked in IOHandle.wait()
@@ -284,10 +284,11 @@ class DiskStore:
 
     def _run(self, op: _Op, path: str, piece: torch.Tensor, offset: int, writing: bool) -> None:
         """One piece on an IO thread, after the key's previous operation finished."""
-        start = time.perf_counter()
+        if op.after is not None:
+            op.after.finished.wait()
+        start = time.perf_counter()  # transfer time only, not the wait for the key's previous op
         try:
             if op.after is not None:
-                op.after.finished.wait()
                 if op.after.error is not None and not writing:
                     raise OSError(f"DiskStore: key {op.key!r} cannot be read: its last write failed "
                                   f"({op.after.error})")
