@@ -132,10 +132,12 @@ def _train_body(system: str, steps: int) -> list:
         fully_shard(model, mp_policy=policy)
         params = list(model.parameters())
     elif system == "bf16_optimizer":  # the recipe before issue 15: bf16 shards, fp32 masters from them
-        from parts.optim import BF16Optimizer
         with partitioned(dtype=BF16):
             model = GPT(config)
         attach(model)
+        params = list(model.parameters())
+    elif system == "zero1_cast":  # replicated fp32 model; BF16Optimizer keeps fp32 masters, casts params
+        model = GPT(config)
         params = list(model.parameters())
     else:
         with partitioned():
@@ -147,8 +149,9 @@ def _train_body(system: str, steps: int) -> list:
                 for s in params:
                     s.copy_(s.to(BF16))
     optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    if system == "bf16_optimizer":
-        optimizer = BF16Optimizer(optimizer)
+    if system in ("bf16_optimizer", "zero1_cast"):
+        from parts.optim import BF16Optimizer
+        optimizer = BF16Optimizer(optimizer, param_dtype=BF16 if system == "zero1_cast" else None)
     tokens, _ = load_splits(None)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     losses = []
@@ -173,3 +176,50 @@ def test_policy_tracks_fp32_as_closely_as_fsdp2() -> None:
     fsdp2_gap = abs(fsdp2[-1] / fp32[-1] - 1)
     assert fp32[-1] < fp32[0] - 0.5  # it learned something
     assert gap <= fsdp2_gap, (gap, fsdp2_gap, parts[-1], fsdp2[-1], fp32[-1])
+
+
+def _optimizer_cast_body() -> list:
+    """BF16Optimizer(param_dtype=bf16) on an fp32 model: fp32 masters, bf16 params, one exact step."""
+    from parts.optim import BF16Optimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(15, 33), nn.LayerNorm(33), nn.Linear(33, 7))
+    init = [p.detach().clone() for p in model.parameters()]
+    optimizer = BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), param_dtype=BF16)
+    out = [all(p.dtype is BF16 and torch.equal(p, i.to(BF16)) for p, i in zip(model.parameters(), init))]
+    out.append(all(torch.equal(optimizer.full_fp32_param(p), i) for p, i in zip(model.parameters(), init)))
+    rank = torch.distributed.get_rank()
+    x = torch.randn(6, 15, generator=torch.Generator().manual_seed(rank))
+    model(x.to(BF16)).float().square().mean().backward()
+    grads = [optimizer.full_grad(p) for p in model.parameters()]
+    optimizer.step()
+    ref = [i.clone().requires_grad_() for i in init]  # AdamW on the fp32 init with the same fp32 grads
+    for r, g in zip(ref, grads):
+        r.grad = g.clone()
+    torch.optim.AdamW(ref, lr=1e-2).step()
+    out.append(all(torch.equal(optimizer.full_fp32_param(p), r.detach()) for p, r in zip(model.parameters(), ref)))
+    out.append(all(torch.equal(p, r.detach().to(BF16)) for p, r in zip(model.parameters(), ref)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_optimizer_masters_from_fp32_values(world: int) -> None:
+    for masters_ok in run(world, _optimizer_cast_body):
+        assert masters_ok == [True, True, True, True]
+
+
+def _optimizer_cast_refuses_fp32_shards() -> str:
+    from parts.optim import BF16Optimizer
+    with partitioned():
+        model = nn.Linear(4, 4)
+    try:
+        BF16Optimizer(torch.optim.AdamW(model.parameters()), param_dtype=BF16)
+    except TypeError as error:
+        return str(error)
+    return ""
+
+
+def test_bf16_optimizer_cast_points_sharded_params_to_the_policy() -> None:
+    assert "MixedPrecision" in run(1, _optimizer_cast_refuses_fp32_shards)[0]
+    with pytest.raises(ValueError, match="param_dtype"):
+        from parts.optim import BF16Optimizer
+        BF16Optimizer(torch.optim.AdamW(nn.Linear(2, 2).parameters()), param_dtype=torch.float32)
