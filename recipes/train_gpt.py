@@ -5,11 +5,14 @@
     torchrun --standalone --nproc-per-node 3 recipes/train_gpt.py --resume --steps 200
 
 The compute dtype is bf16 where this hardware runs it faster than fp32 (measured at start,
-said in the header), fp32 otherwise. The model is built under ``partitioned(dtype=...)``
-(each rank keeps 1/N of every weight),
-``attach`` fetches and releases weights per module and reduce-scatters grads, each block
-runs inside ``parts.checkpoint.checkpoint``, and ``BF16Optimizer(AdamW)`` keeps fp32 master
-shards, clips by the global norm and follows a warm-up + cosine schedule. The default data
+said in the header), fp32 otherwise. The model is built in fp32 under ``partitioned()`` (each
+rank keeps 1/N of every weight); in bf16, ``attach(mixed_precision=MixedPrecision())`` fetches
+weights per module as bf16 (cast before the all-gather), releases them after use and
+reduce-scatters grads in fp32 into fp32 grad shards, so the fp32 shards are the masters and
+the loss tracks fp32 (issue 15). Each block runs inside ``parts.checkpoint.checkpoint``, and
+``BF16Optimizer(AdamW, allow_fp32=True)`` steps the fp32 shards, clips by the global norm and
+follows a warm-up + cosine schedule. With ``--no-partition`` the replicated fp32 model is cast
+by ``BF16Optimizer(param_dtype=bf16)``, which keeps the full-precision values as its masters. The default data
 is Python source text from the standard library (no download); ``--data FILE`` trains on
 yours. A world-size-free checkpoint is written at the end; ``--resume`` continues from it at
 any ``--nproc-per-node``.
@@ -33,8 +36,8 @@ from parts.checkpoint import checkpoint
 from parts.comm import all_gather_objects, broadcast_object
 from parts.observe import set_mmap_threshold, snapshot
 from parts.optim import BF16Optimizer
-from parts.partition import (attach, full_state_dict, is_partitioned, load_full_state_dict, meta,
-                             partitioned)
+from parts.partition import (MixedPrecision, attach, full_state_dict, is_partitioned,
+                             load_full_state_dict, meta, partitioned)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -89,18 +92,20 @@ def build(args: argparse.Namespace):
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
     torch.manual_seed(args.seed)
-    with partitioned(dtype=DTYPES[args.dtype], enabled=args.partition):
+    dtype = DTYPES[args.dtype]
+    low = dtype if dtype != torch.float32 else None  # compute dtype below fp32, if any
+    with partitioned(enabled=args.partition):  # fp32 shards: the masters
         model = GPT(config, checkpoint_fn=checkpoint if args.checkpoint else None)
-    if not args.partition:
-        model.to(DTYPES[args.dtype])
     coordinator = attach(model, prefetch_bucket_size=args.prefetch_bucket_size,
                          max_reuse_distance=args.max_reuse_distance,
                          max_live_parameters=args.max_live_parameters,
                          persistence_threshold=args.persistence_threshold,
-                         overlap_comm=args.overlap_comm) if args.partition else None
+                         overlap_comm=args.overlap_comm,
+                         mixed_precision=MixedPrecision(param_dtype=low) if low else None,
+                         ) if args.partition else None
     adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     optimizer = BF16Optimizer(adamw, clip_grad=args.clip, named_parameters=model.named_parameters(),
-                              allow_fp32=args.dtype == "fp32")
+                              allow_fp32=True, param_dtype=None if args.partition else low)
     total = args.steps
 
     def warmup_cosine(step: int) -> float:

@@ -17,7 +17,7 @@ from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .sharded import ShardedParam, announce, is_partitioned, meta
-from .validation import ParamChecker, check_options, check_shard_group
+from .validation import ParamChecker, check_options, check_param_dtype, check_shard_group
 
 __all__ = ["BF16Optimizer"]
 
@@ -34,7 +34,10 @@ class BF16Optimizer(torch.optim.Optimizer):
     Extra keywords: ``loss_scaler`` (fp16; created by default for fp16 params),
     ``named_parameters`` (e.g. ``model.named_parameters()``: names used in checkpoints and
     errors), ``step_chunk`` (elements per master view the wrapped optimizer steps; see
-    layout.STEP_CHUNK) and ``allow_fp32`` (accept fp32 params, which are otherwise a TypeError).
+    layout.STEP_CHUNK), ``allow_fp32`` (accept fp32 params, which are otherwise a TypeError) and
+    ``param_dtype`` (e.g. torch.bfloat16: take fp32 params, keep their full-precision values
+    as the masters and cast the params themselves, so the masters do not start from rounded
+    weights: build the model in fp32 and let the optimizer cast it; replicated params only).
 
     Grid-wide norm (e.g. dp x tensor parallel): ``norm_groups`` are further process groups the
     partial norm is summed over after ``group`` (a tp group); ``replicated(p) -> bool`` marks
@@ -51,7 +54,8 @@ class BF16Optimizer(torch.optim.Optimizer):
                  named_parameters: Optional[NamedParams] = None,
                  step_chunk: int = STEP_CHUNK, allow_fp32: bool = False,
                  norm_groups: Sequence[ProcessGroup] = (),
-                 replicated: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
+                 replicated: Optional[Callable[[torch.Tensor], bool]] = None,
+                 param_dtype: Optional[torch.dtype] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"BF16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.norm_groups = tuple(norm_groups)
@@ -60,6 +64,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                       grad_accum_dtype=grad_accum_dtype, norm_groups=self.norm_groups,
                       replicated=replicated)
         self.step_chunk, self.allow_fp32 = int(step_chunk), bool(allow_fp32)
+        self.param_dtype = check_param_dtype(param_dtype)
         init_optimizer_hooks(self)
         self.optimizer, self.process_group = optimizer, group
         self.clip_grad, self.norm_type = float(clip_grad), float(norm_type)
@@ -113,7 +118,7 @@ class BF16Optimizer(torch.optim.Optimizer):
         return {id(p): n for n, p in items}
 
     def _build(self, names: dict[int, str]) -> None:
-        checker = ParamChecker(self.allow_fp32)
+        checker = ParamChecker(self.allow_fp32 or self.param_dtype is not None)
         for g, group in enumerate(self.optimizer.param_groups):
             replicated, rep_names, sharded = [], [], []
             for i, p in enumerate(group["params"]):
@@ -124,6 +129,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                                       self.comm.global_ranks(),
                                       self.process_group is None)
                     checker.check(p, name, record.shard.dtype)
+                    self._check_sharded_cast(name, record.shard.dtype)
                     sp = ShardedParam(p, record, self.rank)
                     sp.name = sp.name or name
                     self._where[id(p)] = ("sharded", g, len(sharded))
@@ -135,13 +141,21 @@ class BF16Optimizer(torch.optim.Optimizer):
                     rep_names.append(name)
             self._add_group(group, replicated, rep_names, sharded)
 
+    def _check_sharded_cast(self, name: str, dtype: torch.dtype) -> None:
+        """``param_dtype`` casts replicated params only: a sharded fp32 param has a better path."""
+        if self.param_dtype is not None and dtype != self.param_dtype:
+            raise TypeError(f"BF16Optimizer(param_dtype={self.param_dtype}): parameter {name!r} is "
+                            f"sharded with {dtype} shards; for ZeRO-3 in mixed precision attach the "
+                            f"model with mixed_precision=parts.partition.MixedPrecision() and step "
+                            f"shards(model) with the plain optimizer (fp32 shards are the masters)")
+
     def _add_group(self, group: dict, replicated: list, rep_names: list[str],
                    sharded: list[ShardedParam]) -> None:
         """Pack one group's replicated params, hook their grads, point the group at the masters."""
         fg = None
         if replicated:
             fg = FlatGroup(replicated, rep_names, self.world_size, self.rank,
-                           self.grad_accum_dtype, self.step_chunk)
+                           self.grad_accum_dtype, self.step_chunk, self.param_dtype)
             for i, p in enumerate(replicated):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     fg.make_hook(i, self._mark_grads)))

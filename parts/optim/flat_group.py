@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -19,21 +19,25 @@ class FlatGroup:
     """Flat model-dtype buffer (params are views of it), fp32 grad buffer, fp32 master partition."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str],
-                 world_size: int, rank: int, grad_dtype: torch.dtype, step_chunk: int) -> None:
+                 world_size: int, rank: int, grad_dtype: torch.dtype, step_chunk: int,
+                 param_dtype: Optional[torch.dtype] = None) -> None:
         self.params = list(params)
         self.names = list(names)
         self.layout = GroupLayout(tuple(p.numel() for p in params), world_size)
         self.rank, self.world_size = rank, world_size
-        dtype, device = params[0].dtype, params[0].device
+        dtype, device = param_dtype or params[0].dtype, params[0].device
         size = self.layout.padded_numel
         self.flat = torch.zeros(size, dtype=dtype, device=device)
-        copy_in([p.detach() for p in params], self.flat, self.layout.offsets)  # no packed temporary
+        n = self.layout.partition_numel
+        self.master = self._master_from(params, n)  # the values as given, before any cast
+        if dtype == params[0].dtype:
+            copy_in([p.detach() for p in params], self.flat, self.layout.offsets)  # no packed temporary
+        else:
+            for p, off in zip(self.params, self.layout.offsets):  # the cast to ``param_dtype``
+                self.flat.narrow(0, off, p.numel()).copy_(p.detach().reshape(-1))
         for p, off in zip(self.params, self.layout.offsets):
             p.data = self.flat.narrow(0, off, p.numel()).view(p.shape)
         self.grad = torch.zeros(size, dtype=grad_dtype, device=device)
-        n = self.layout.partition_numel
-        lo = rank * n
-        self.master = self.flat.narrow(0, lo, n).to(torch.float32).clone()
         if world_size == 1 and grad_dtype == torch.float32:
             self.part_grad = self.grad  # nothing to scatter: step reads the buffer itself
         else:
@@ -46,6 +50,14 @@ class FlatGroup:
             view.grad = self.part_grad.narrow(0, start, length)
             self.master_chunks.append(view)
         self.versions = self._versions()
+
+    def _master_from(self, params: Sequence[torch.Tensor], n: int) -> torch.Tensor:
+        """This rank's fp32 master partition, read from the params themselves (padding zero)."""
+        master = torch.zeros(n, dtype=torch.float32, device=params[0].device)
+        for pc in self.layout.pieces(self.rank):
+            piece = params[pc.index].detach().reshape(-1)[pc.start:pc.stop]
+            master.narrow(0, pc.offset, pc.stop - pc.start).copy_(piece)
+        return master
 
     def _versions(self) -> list[int]:
         """Every param's version counter: a write through the param (``load_state_dict``,

@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["ParamDtypeError", "LOW_PRECISION", "check_options", "ParamChecker", "check_shard_group"]
+__all__ = ["ParamDtypeError", "LOW_PRECISION", "check_options", "check_param_dtype", "ParamChecker",
+           "check_shard_group"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -38,6 +39,14 @@ def check_options(*, clip_grad: float, norm_type: float, allgather_bucket_size: 
     if replicated is not None and not norm_groups:
         raise ValueError("replicated= needs norm_groups=: it says which params hold the same grad "
                          "on every rank of those groups")
+
+
+def check_param_dtype(param_dtype: Any) -> Optional[torch.dtype]:
+    """``param_dtype`` if it is None or a low-precision dtype BF16Optimizer can cast params to."""
+    if param_dtype is not None and param_dtype not in LOW_PRECISION:
+        raise ValueError(f"param_dtype must be None (keep the params' dtype) or one of "
+                         f"{[str(d) for d in LOW_PRECISION]}, got {param_dtype!r}")
+    return param_dtype
 
 
 def _check_bucket(size: Any) -> None:

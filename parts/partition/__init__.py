@@ -32,6 +32,7 @@ from parts.partition.construction.construct import partition_module, partitioned
 from parts.partition.core.gather import GatherHandle, gather, gathered, release
 from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shards
 from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, meta
+from parts.partition.core.precision import MixedPrecision
 from parts.partition.core.state_dict import full_state_dict, load_full_state_dict
 from parts.partition.core.storage_pool import StoragePool
 from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, RankDivergence, attach,
@@ -46,5 +47,5 @@ __all__ = [
     "full_state_dict", "load_full_state_dict",
     "CommCounter", "comm_counter",
     "FetchCoordinator", "attach", "detach", "register_external_parameter",
-    "RankDivergence", "CoordinatorStats",
+    "RankDivergence", "CoordinatorStats", "MixedPrecision",
 ]

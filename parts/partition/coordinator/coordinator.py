@@ -34,7 +34,8 @@ stay gathered for good. At the start of every later step those whose shard chang
 they were gathered (an optimizer stepped it: ``parts.partition.core.param.is_stale``) are
 gathered again, in one collective, so no stale full copy is ever used: one gather of them
 per optimizer step, none for steps without an update (evaluation, accumulation).
-``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
+``mixed_precision``: a ``MixedPrecision`` policy (fp32 shards gathered as ``param_dtype``,
+grads reduce-scattered in ``reduce_dtype``; core/precision.py). ``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
 that size instead of going back to the host allocator (CPU only; ``storage_pool.py``).
 
 What all ranks must share: the same submodules run in the same order (every fetch and
@@ -48,7 +49,7 @@ from __future__ import annotations
 import sys
 import weakref
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -68,6 +69,7 @@ from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name, trace_digest
 from parts.partition.core import points
 from parts.partition.core.param import is_partitioned, meta
+from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
 
 __all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
 
@@ -79,13 +81,15 @@ _attached: "weakref.WeakKeyDictionary[nn.Module, FetchCoordinator]" = weakref.We
 class _Pieces:
     """The named pieces of an attached coordinator, each holding its own state."""
 
-    def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg) -> None:
+    def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg,
+                 precision: Optional[MixedPrecision]) -> None:
         self.counters = StepCounters()
         self.table = ParamTable(module, knobs)
         self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group))
         self.live = LiveSet(self.table, knobs, group, self.counters)
         self.prefetcher = Prefetcher(self.table, self.live, knobs, self.check, self.counters)
-        self.reducer = GradReducer(self.table, knobs, group, self.check, self.counters)
+        self.reducer = GradReducer(self.table, knobs, group, self.check, self.counters,
+                                   precision.reduce_dtype if precision else torch.float32)
 
 
 class FetchCoordinator:
@@ -101,8 +105,14 @@ class FetchCoordinator:
                  max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
                  persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
                  overlap_comm: bool = True, debug: bool = False,
-                 reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True) -> None:
+                 reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
+                 mixed_precision: Optional[MixedPrecision] = None) -> None:
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
+                            f"got {type(mixed_precision).__name__}")
         self.group = group
+        self.mixed_precision = mixed_precision
+        self._undo_precision: Optional[Callable[[], None]] = None
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
                            reduce_bucket_size, cache_freed_storage)
@@ -118,7 +128,9 @@ class FetchCoordinator:
         check_sharded(module, _attached)
         check_group(module, self.group)
         self._root = module
-        pieces = _Pieces(module, self.knobs, self.group)
+        if self.mixed_precision is not None:  # compute dtypes on the records: gathers and grads cast
+            self._undo_precision = apply_mixed_precision(module, self.mixed_precision)
+        pieces = _Pieces(module, self.knobs, self.group, self.mixed_precision)
         self.table, self.live, self.prefetcher = pieces.table, pieces.live, pieces.prefetcher
         self.reducer, self.check, self.counters = pieces.reducer, pieces.check, pieces.counters
         self._setup_lifecycle()
@@ -158,6 +170,9 @@ class FetchCoordinator:
         for handle in self._grad_hooks:
             handle.remove()
         self.live.release_all()
+        if self._undo_precision is not None:
+            self._undo_precision()
+            self._undo_precision = None
         for sub in self.table.modules:
             if _attached.get(sub) is self:
                 del _attached[sub]

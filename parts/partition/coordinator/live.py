@@ -20,7 +20,7 @@ from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import BACKWARD, FORWARD
 from parts.partition.core.gather import gather, release
-from parts.partition.core.param import ParamStatus, is_stale
+from parts.partition.core.param import ParamStatus, is_stale, wanted_dtype
 from parts.partition.core.storage_pool import StoragePool
 
 __all__ = ["LiveSet"]
@@ -65,7 +65,7 @@ class LiveSet:
             self._note_gathered(pid, self._pass_key(kinds.get(pid, kind)))
         if fresh:
             self.counters.allgather_calls += 1
-        gather(self.table.select(todo), self.group, async_op=async_op, pool=self.pool)
+        gather(self.table.select(todo), self.group, async_op=async_op, pool=self.pool, compute=True)
 
     def _pass_key(self, kind: str) -> tuple:
         """The pass a gather serves: this backward, this forward, or the next backward."""
@@ -75,7 +75,8 @@ class LiveSet:
 
     def _note_gathered(self, pid: int, pass_key: tuple) -> None:
         m = self.table.records[pid]
-        self.counters.gathered(pid, collective_bytes(m.layout.shard_numel, m.world_size, m.dtype.itemsize))
+        self.counters.gathered(pid, collective_bytes(m.layout.shard_numel, m.world_size,
+                                                      wanted_dtype(m, True).itemsize))
         seen = self._pass_gathers.get((pass_key, pid), 0)
         self._pass_gathers[(pass_key, pid)] = seen + 1
         self.counters.regathered_params += seen > 0
@@ -170,7 +171,7 @@ class LiveSet:
             m = self.table.records[pid]
             if m.status is _NOT_AVAILABLE:
                 todo.append(pid)
-            elif not self.uses.get(pid) and is_stale(m):
+            elif not self.uses.get(pid) and (is_stale(m) or m.full_dtype != wanted_dtype(m, True)):
                 stale.append(pid)
         return todo, stale
 

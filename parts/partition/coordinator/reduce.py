@@ -24,15 +24,14 @@ from parts.partition.core.grads import reduce_scatter_grads
 
 __all__ = ["GradReducer"]
 
-_REDUCE_ITEMSIZE = torch.float32.itemsize  # grads are reduce-scattered in fp32
-
 
 class GradReducer:
     """Buckets of complete full grads and the reduce-scatters in flight of one coordinator."""
 
     def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, check: StepCheck,
-                 counters: StepCounters) -> None:
+                 counters: StepCounters, reduce_dtype: torch.dtype = torch.float32) -> None:
         self.table, self.knobs, self.group, self.check, self.counters = table, knobs, group, check, counters
+        self.reduce_dtype = reduce_dtype  # grads are reduce-scattered in it (MixedPrecision.reduce_dtype)
         self._pending: list[nn.Parameter] = []  # complete full grads awaiting reduce-scatter
         self._pending_numel = 0
         self._reducing: list[Waitable] = []  # reduce-scatters in flight (overlap_comm)
@@ -65,8 +64,9 @@ class GradReducer:
         for pid in ids:
             m = self.table.records[pid]
             self.counters.reduce_scatter_bytes += collective_bytes(m.layout.shard_numel, m.world_size,
-                                                                   _REDUCE_ITEMSIZE)
-        handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm)
+                                                                   self.reduce_dtype.itemsize)
+        handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm,
+                                      dtype=self.reduce_dtype)
         self.wait()  # the previous bucket: at most two buckets in flight
         if handle is not None:
             self._reducing.append(handle)

@@ -27,7 +27,8 @@ from torch import nn
 from parts.comm import GroupArg, GroupInfo, all_gather_many
 from parts.partition.core import disk
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
-                                   internal, is_partitioned, is_stale, metas_sorted, stamp)
+                                   internal, is_partitioned, is_stale, metas_sorted, stamp,
+                                   wanted_dtype)
 from parts.partition.core.sharding import reshard
 from parts.partition.core.storage_pool import StoragePool
 
@@ -67,14 +68,17 @@ class GatherHandle:
 
 
 def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[StoragePool],
-            joined: Iterable[GatherHandle]) -> GatherHandle:
-    """Start the all-gather of every shard straight into its full tensor; the handle finishes."""
+            joined: Iterable[GatherHandle], compute: bool) -> GatherHandle:
+    """Start the all-gather of every shard straight into its full tensor; the handle finishes.
+    With ``compute`` each shard is cast to its policy's compute dtype *before* the collective,
+    so the wire carries (and the full tensor holds) that dtype."""
     sends, fulls = [], []
     for _, m in pairs:
         stamp(m)  # the full tensor will hold the shards as sent now
+        dtype = m.full_dtype = wanted_dtype(m, compute)
         disk.load_for_send(m.shard)
-        sends.append(m.shard.to(m.device, m.dtype, non_blocking=True))
-        fulls.append(_full_for(m, pool))
+        sends.append(m.shard.to(m.device, dtype, non_blocking=True))
+        fulls.append(_full_for(m, pool, dtype))
     work = all_gather_many([flat for _, flat in fulls], sends, info, async_op=async_op)
 
     def unpack() -> None:
@@ -86,47 +90,56 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
     return GatherHandle(pairs, work, unpack, joined)
 
 
-def _full_for(m: ParamMeta, pool: Optional[StoragePool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full tensor for ``m`` (its freed storage refilled, from ``pool`` if it has a block
-    that size, else fresh) and its padded 1-D alias of ``world_size * shard_numel`` elements,
-    which the all-gather writes."""
+def _full_for(m: ParamMeta, pool: Optional[StoragePool],
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full ``dtype`` tensor for ``m`` (its freed storage refilled, from ``pool`` if it has
+    a block that size, else fresh) and its padded 1-D alias of ``world_size * shard_numel``
+    elements, which the all-gather writes."""
     padded = m.world_size * m.layout.shard_numel
-    nbytes = padded * m.dtype.itemsize
+    nbytes = padded * dtype.itemsize
     kept, m.shrunk = m.shrunk, None
+    if kept is not None and kept.dtype != dtype:
+        kept = None  # gathered in another dtype before: views saved from it cannot be refilled
     if kept is None:
-        flat = _from_pool(pool, nbytes, m) if pool is not None else None
-        flat = alloc(padded, m.dtype, m.device) if flat is None else flat
+        flat = _from_pool(pool, nbytes, dtype, m.device) if pool is not None else None
+        flat = alloc(padded, dtype, m.device) if flat is None else flat
         return flat[:m.numel].view(m.shape), flat
     storage = kept.untyped_storage()
     if pool is None or not pool.take_into(storage, nbytes):
         storage.resize_(nbytes)
     # A separate tensor on the same storage: writing through it leaves the version counter
     # of the views autograd saved from ``kept`` untouched (they must see the new values).
-    alias = torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (padded,))
+    alias = torch.empty(0, dtype=dtype, device=m.device).set_(storage, 0, (padded,))
     return kept, alias
 
 
-def _from_pool(pool: StoragePool, nbytes: int, m: ParamMeta) -> Optional[torch.Tensor]:
+def _from_pool(pool: StoragePool, nbytes: int, dtype: torch.dtype,
+               device: torch.device) -> Optional[torch.Tensor]:
     """A 1-D tensor of ``nbytes`` on a cached block of ``pool``, or None if it has none."""
-    storage = pool.take(nbytes, m.device)
+    storage = pool.take(nbytes, device)
     if storage is None:
         return None
-    return torch.empty(0, dtype=m.dtype, device=m.device).set_(storage, 0, (nbytes // m.dtype.itemsize,))
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (nbytes // dtype.itemsize,))
 
 
 @internal
 def gather(params: Iterable[nn.Parameter], group: GroupArg = None, async_op: bool = False,
-           pool: Optional[StoragePool] = None) -> Optional[GatherHandle]:
+           pool: Optional[StoragePool] = None, compute: bool = False) -> Optional[GatherHandle]:
     """Make ``params`` full (``p.data`` gets the global tensor) with one group of all-gathers;
-    storage freed by ``release(..., pool=pool)`` is refilled from ``pool`` when it can be."""
+    storage freed by ``release(..., pool=pool)`` is refilled from ``pool`` when it can be.
+
+    ``compute``: gather in each param's compute dtype (``MixedPrecision``, set by ``attach``);
+    otherwise in the shard's dtype (full precision). A param available in the other dtype is
+    gathered again."""
     pairs = metas_sorted(params)
     info = common_info(pairs, group, "gather")
-    todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE or is_stale(m)]
+    todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE or is_stale(m)
+            or (m.status is ParamStatus.AVAILABLE and m.full_dtype not in (None, wanted_dtype(m, compute)))]
     joined = {id(m.handle): m.handle for _, m in pairs
               if m.status is ParamStatus.INFLIGHT and m.handle is not None}
     handle = GatherHandle([], joined=joined.values())
     if todo:
-        handle = _launch(todo, info, async_op, pool, joined.values())
+        handle = _launch(todo, info, async_op, pool, joined.values(), compute)
         for _, m in todo:
             m.status, m.handle = ParamStatus.INFLIGHT, handle
     if not async_op:
@@ -154,7 +167,7 @@ def release(params: Iterable[nn.Parameter], free_storage: bool = False,
             m.shrunk = p.data
             _empty_storage(p.data.untyped_storage(), pool)
         p.data = empty_like_released(m.dtype, m.device)
-        m.status, m.handle = ParamStatus.NOT_AVAILABLE, None
+        m.status, m.handle, m.full_dtype = ParamStatus.NOT_AVAILABLE, None, None
 
 
 def _owns_storage(data: torch.Tensor, m: ParamMeta) -> bool:

@@ -105,8 +105,8 @@ def _accumulate(m: Any, part: torch.Tensor, accumulate: bool) -> None:
     if disk.accumulate_grad(m.shard, part, accumulate):
         return
     current = m.grad_shard
-    if current is None:
-        m.grad_shard = part.to(m.shard.device)
+    if current is None:  # kept in the wider of the reduce and shard dtypes (bf16 reduce, fp32 shard: fp32)
+        m.grad_shard = part.to(m.shard.device, torch.promote_types(part.dtype, m.shard.dtype))
     elif accumulate:
         current.add_(part.to(current.device))
     else:

@@ -52,7 +52,8 @@ from parts.partition.core import disk
 from parts.base.layout import ShardLayout
 
 __all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "ReleasedData", "is_partitioned", "meta", "alloc",
-           "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp"]
+           "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp",
+           "wanted_dtype"]
 
 _ATTR = "_parts_meta"
 
@@ -87,6 +88,8 @@ class ParamMeta:
     _owner: Any = field(default=None, repr=False)  # weakref to the parameter (set by attach_meta)
     _cls: Optional[type] = field(default=None, repr=False)  # its class while AVAILABLE (None: unguarded)
     full_ptr: int = 0  # data_ptr of the storage ``gather`` filled (0: none)
+    compute_dtype: Optional[torch.dtype] = None  # a MixedPrecision policy's gather dtype (None: ``dtype``)
+    full_dtype: Optional[torch.dtype] = None  # dtype of the full tensor gathered last
     shrunk: Optional[torch.Tensor] = field(default=None, repr=False)  # full tensor whose storage
     # ``release(free_storage=True)`` resized to 0; the next gather refills that very storage
     checker: Any = field(default=None, repr=False)  # weak method a debug coordinator registered
@@ -191,6 +194,11 @@ def shard_version(record: ParamMeta) -> tuple:
 def stamp(record: ParamMeta) -> None:
     """Record that the full tensor now matches the shard (after a gather or a consistent write)."""
     record.full_version = shard_version(record)
+
+
+def wanted_dtype(record: ParamMeta, compute: bool) -> torch.dtype:
+    """The dtype a gather makes the full tensor in: the policy's compute dtype if ``compute``, else the shard's."""
+    return (record.compute_dtype or record.dtype) if compute else record.dtype
 
 
 def is_stale(record: ParamMeta) -> bool:
