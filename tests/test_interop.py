@@ -8,7 +8,7 @@ import torch.distributed as dist
 from harness import run
 from parts.partition import meta, shards
 from parts.partition.coordinator import attach
-from test_coordinator_models import GPT, batch, full_params, make_pair, rank_info
+from test_coordinator_models import VOCAB, GPT, batch, full_params, make_pair, rank_info
 
 PER_RANK, STEPS = 2, 4
 
@@ -222,6 +222,7 @@ def _save_hf_style(folder, ref: torch.nn.Module, extra: dict) -> None:
 
 
 def test_load_pretrained_fills_shards_from_hf_style_safetensors(tmp_path):
+    pytest.importorskip("safetensors")
     torch.manual_seed(1)
     _save_hf_style(tmp_path, Tied(), {})
     (missing, unexpected, ref_sd, got, n, ref_n), _ = run(2, _pretrained_case, str(tmp_path), True)
@@ -232,6 +233,7 @@ def test_load_pretrained_fills_shards_from_hf_style_safetensors(tmp_path):
 
 
 def test_load_pretrained_reports_missing_and_unexpected_keys(tmp_path):
+    pytest.importorskip("safetensors")
     torch.manual_seed(1)
     ref = Tied()
     _save_hf_style(tmp_path, ref, {"extra.weight": torch.ones(2)})
@@ -261,3 +263,18 @@ def test_covering_rows_is_the_smallest_read():
         else:
             assert (first, last) == (0, 0)
     check()
+
+
+def _replace_data_case() -> str:
+    _, model = make_pair(GPT)
+    attach(model)
+    try:
+        model.wte.weight.data = torch.zeros(VOCAB + 3, 24)  # what resize_token_embeddings does
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_replacing_a_sharded_params_data_by_another_shape_raises():
+    for message in run(2, _replace_data_case):
+        assert "parameter 'wte.weight' (53, 24)" in message and "(56, 24)" in message, message

@@ -32,6 +32,7 @@ __all__ = ["ATTR", "internal", "in_internal", "ShardedParameter", "GradShard", "
 
 ATTR = "_parts_meta"
 _raw_grad = TENSOR_BASE.grad
+_raw_data = TENSOR_BASE.data
 
 
 class _Internal(contextlib.ContextDecorator, threading.local):
@@ -80,11 +81,24 @@ def _get_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return grad
 
 
+def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    record = p.__dict__.get(ATTR)
+    if record is not None and value.numel() != 0 and tuple(value.shape) != tuple(record.shape):
+        raise RuntimeError(
+            f"parts.partition: {record.describe()} is sharded over {record.world_size} rank(s); "
+            f"`p.data = <tensor of shape {tuple(value.shape)}>` would replace it behind its shards "
+            f"(e.g. resize_token_embeddings). Build the model at the new size under "
+            f"parts.partition.partitioned() and load the weights with load_full_state_dict")
+    _raw_data.__set__(p, value)
+
+
 class ShardedParameter(nn.Parameter):
     """The class of a sharded (plain ``nn.Parameter``) parameter: ``p.grad`` is guarded."""
 
     grad = property(_get_grad, _raw_grad.__set__, _raw_grad.__delete__,
                     doc="The full gradient; raises while the gradient is in the grad shard.")
+    data = property(_raw_data.__get__, _set_data,
+                    doc="The tensor's data; replacing it by one of another shape raises.")
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         """A gathered sharded parameter copies to an ordinary full ``nn.Parameter``."""
