@@ -23,6 +23,7 @@ from torch import nn
 from parts.partition import (ParamStatus, comm_counter, full_state_dict, gather, gathered, meta,
                              partition_module, release, shards)
 from parts.partition.coordinator import attach
+from parts.partition.core.grad_guard import ShardedParameter
 from parts.partition.core.param import ReleasedParameter
 from test_coordinator_models import GPT, batch, make_pair, rank_info, train_reference
 
@@ -104,7 +105,8 @@ def test_released_param_raises_in_every_op_and_works_once_gathered(world):
             assert f"released (sharded over {world} rank" in message, (name, message)
             assert "gathered" in message
         assert "Tensor.add" in out["errors"]["add"] and "linear" in out["errors"]["linear"]
-        assert out["kinds"] == (nn.Parameter, nn.Parameter)  # plain Parameters while gathered
+        # while gathered: ShardedParameter, an nn.Parameter that only adds the p.grad guard
+        assert out["kinds"] == (ShardedParameter, ShardedParameter)
         assert all(out["same"].values()) and len(out["same"]) == len(out["errors"]) - 1
         assert out["after"] is not None and "blocks.1.fc.weight" in out["after"]
         assert out["released_type"] is ReleasedParameter

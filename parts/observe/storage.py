@@ -13,7 +13,7 @@ import torch
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from parts._compat import TorchDispatchMode
+from parts._compat import TENSOR_BASE, TorchDispatchMode
 
 
 _NO_TENSORS = (int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -32,6 +32,9 @@ def storage_bytes(objs: Any, include_grads: bool = False) -> int:
     return sum(seen.values())
 
 
+_GRAD = TENSOR_BASE.grad
+
+
 def iter_tensors(objs: Any, include_grads: bool = False) -> Iterator[torch.Tensor]:
     """Every tensor reachable from ``objs``: tensors, modules (params, buffers), containers."""
     stack = [objs]
@@ -39,8 +42,9 @@ def iter_tensors(objs: Any, include_grads: bool = False) -> Iterator[torch.Tenso
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
             yield obj
-            if include_grads and obj.grad is not None:
-                yield obj.grad
+            grad = _GRAD.__get__(obj) if include_grads else None  # unguarded: sharded params
+            if grad is not None:  # raise on a p.grad read while their grad is in a grad shard
+                yield grad
         elif isinstance(obj, torch.nn.Module):
             stack.extend(obj.parameters())
             stack.extend(obj.buffers())

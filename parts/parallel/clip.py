@@ -9,14 +9,14 @@ only dp rank 0 counts them). One all-reduce over the grid's parent group adds it
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from . import _collectives as C
+from parts.comm import group_info
+from parts.comm.norm import counts, global_norm, scale_
+
 from .grid import ParallelGrid
-from .layers import tp_split
 
 __all__ = ["grad_norm_2d", "clip_grad_norm_2d"]
 
@@ -27,22 +27,7 @@ def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return p.grad
 
 
-def _local_sum(params: list, grad_fn: GradFn, tp_rank: int, counts_dp: bool,
-               norm_type: float) -> torch.Tensor:
-    """``sum |g|^p`` (or max |g| for inf) of the grads this rank counts."""
-    total = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        g = grad_fn(p)
-        if g is None or g.numel() == 0 or not counts_dp:
-            continue
-        if tp_split(p) is None and tp_rank != 0:
-            continue
-        n = torch.linalg.vector_norm(g.float(), norm_type).cpu()
-        total = torch.maximum(total, n) if math.isinf(norm_type) else total + n.pow(norm_type)
-    return total
-
-
-def grad_norm_2d(params: Iterable[torch.Tensor], grid: ParallelGrid, *, grad_fn: GradFn = _grad,
+def grad_norm_2d(params: Iterable[torch.Tensor], grid: "ParallelGrid", *, grad_fn: GradFn = _grad,
                  norm_type: float = 2.0, dp_replicated: bool = False) -> torch.Tensor:
     """The norm of all grads over the whole grid (a collective over ``grid.group``).
 
@@ -51,14 +36,11 @@ def grad_norm_2d(params: Iterable[torch.Tensor], grid: ParallelGrid, *, grad_fn:
     """
     if norm_type <= 0:
         raise ValueError(f"grad_norm_2d: norm_type must be > 0, got {norm_type}")
-    counts_dp = grid.dp_rank == 0 or not dp_replicated
-    local = _local_sum(list(params), grad_fn, grid.tp_rank, counts_dp, norm_type)
-    if math.isinf(norm_type):
-        return C.all_reduce_max(local, grid.group)
-    return C.all_reduce_sum(local, grid.group).pow(1.0 / norm_type)
+    counted = [grad_fn(p) for p in params if counts(p, grid.tp_rank, grid.dp_rank, dp_replicated)]
+    return global_norm(counted, group_info(grid.group, "grad_norm_2d"), norm_type)
 
 
-def clip_grad_norm_2d(params: Iterable[torch.Tensor], max_norm: float, grid: ParallelGrid, *,
+def clip_grad_norm_2d(params: Iterable[torch.Tensor], max_norm: float, grid: "ParallelGrid", *,
                       grad_fn: GradFn = _grad, norm_type: float = 2.0,
                       dp_replicated: bool = False) -> torch.Tensor:
     """Scale every grad in place so the grid-wide norm is at most ``max_norm``; return the norm.
@@ -69,10 +51,5 @@ def clip_grad_norm_2d(params: Iterable[torch.Tensor], max_norm: float, grid: Par
     params = list(params)
     norm = grad_norm_2d(params, grid, grad_fn=grad_fn, norm_type=norm_type,
                         dp_replicated=dp_replicated)
-    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    if math.isfinite(float(norm)) and coef < 1.0:
-        for p in params:
-            g = grad_fn(p)
-            if g is not None:
-                g.mul_(coef)
+    scale_([grad_fn(p) for p in params], max_norm, norm)
     return norm

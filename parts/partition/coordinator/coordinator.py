@@ -35,7 +35,11 @@ they were gathered (an optimizer stepped it: ``parts.partition.core.param.is_sta
 gathered again, in one collective, so no stale full copy is ever used: one gather of them
 per optimizer step, none for steps without an update (evaluation, accumulation).
 ``mixed_precision``: a ``MixedPrecision`` policy (fp32 shards gathered as ``param_dtype``,
-grads reduce-scattered in ``reduce_dtype``; core/precision.py). ``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
+grads reduce-scattered in ``reduce_dtype``; core/precision.py).
+``sync_buffers`` (default True, DDP's ``broadcast_buffers``): rank 0's buffers are broadcast
+at the start of every step in train mode and of the first other step after one
+(``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
+``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
 that size instead of going back to the host allocator (CPU only; ``storage_pool.py``).
 
 What all ranks must share: the same submodules run in the same order (every fetch and
@@ -56,6 +60,10 @@ from torch import nn
 
 from parts._compat import in_backward, on_backward_end
 from parts.comm import GroupArg
+from parts.partition.core.grad_guard import raw_grad
+from parts.partition.interop.buffers import broadcast_buffers
+from parts.partition.interop.convert import install_apply, remove_apply
+from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence, StepCheck
 from parts.partition.coordinator.hooks import ModuleHooks, register_pre_backward
@@ -106,12 +114,14 @@ class FetchCoordinator:
                  persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
                  overlap_comm: bool = True, debug: bool = False,
                  reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
-                 mixed_precision: Optional[MixedPrecision] = None) -> None:
+                 mixed_precision: Optional[MixedPrecision] = None,
+                 sync_buffers: bool = True) -> None:
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
                             f"got {type(mixed_precision).__name__}")
         self.group = group
         self.mixed_precision = mixed_precision
+        self.sync_buffers = sync_buffers
         self._undo_precision: Optional[Callable[[], None]] = None
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
@@ -145,6 +155,8 @@ class FetchCoordinator:
         if self.knobs.debug:
             self._checker = weakref.WeakMethod(self._outside)
             points.register(self._records(), self._checker)
+        install_zero_grad(self.table.modules)
+        install_apply(self.table.modules)
         return self
 
     def _records(self) -> list:
@@ -173,6 +185,8 @@ class FetchCoordinator:
         if self._undo_precision is not None:
             self._undo_precision()
             self._undo_precision = None
+        remove_zero_grad(self.table.modules)
+        remove_apply(self.table.modules)
         for sub in self.table.modules:
             if _attached.get(sub) is self:
                 del _attached[sub]
@@ -187,6 +201,7 @@ class FetchCoordinator:
         self._bwd_phase: Optional[str] = None
         self._misses = 0
         self._steps_done = 0
+        self._buffers_dirty = True
 
     def _hook(self, index: int) -> None:
         if index in self._hooks:
@@ -260,7 +275,14 @@ class FetchCoordinator:
         number = self._phase_steps.get(phase, 0)
         self._phase_steps[phase] = number + 1
         self._steps[phase] = StepState(phase, number=number)
+        self._sync_buffers(phase)
         self._refresh_persistent(phase)
+
+    def _sync_buffers(self, phase: str) -> None:
+        """Rank 0's buffers to every rank at a train-mode step and the first step after one."""
+        if self.sync_buffers and self.table.records and (self._buffers_dirty or phase.startswith("train")):
+            broadcast_buffers(self._root, next(iter(self.table.records.values())).info)
+            self._buffers_dirty = phase.startswith("train")  # train mode updates buffers
 
     def _refresh_persistent(self, phase: str) -> None:
         """Gather the persistent params that need it in one (async) collective at a step's start.
@@ -373,7 +395,7 @@ class FetchCoordinator:
         pid = self.table.pid(p)
         step = self._steps.get(self._bwd_phase)
         self.live.grad_complete(pid, step)
-        if p.grad is not None:
+        if raw_grad(p) is not None:
             self.reducer.grad_ready(p, pid, step)
 
     def _end_backward(self) -> None:

@@ -20,6 +20,7 @@ from parts.partition.coordinator.plan import Knobs, collective_bytes
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
+from parts.partition.core.grad_guard import raw_grad
 from parts.partition.core.grads import reduce_scatter_grads
 
 __all__ = ["GradReducer"]
@@ -48,13 +49,13 @@ class GradReducer:
         e.g. of a parameter unfrozen later) and wait until all have landed."""
         pending = {id(p) for p in self._pending}
         self._pending += [p for p in self.table.params.values()
-                          if p.grad is not None and id(p) not in pending]
+                          if raw_grad(p) is not None and id(p) not in pending]
         self._reduce(step)
         self.wait()
 
     def _reduce(self, step: Optional[StepState]) -> None:
         """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
-        params = [p for p in self._pending if p.grad is not None]
+        params = [p for p in self._pending if raw_grad(p) is not None]
         self._pending, self._pending_numel = [], 0
         if not params:
             return

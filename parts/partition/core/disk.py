@@ -32,7 +32,7 @@ import torch
 from parts.offload import parking
 from parts.offload.store import DiskStore
 
-__all__ = ["store_of", "park_shard", "load_for_send", "after_send", "parked_version",
+__all__ = ["store_of", "park_shard", "load_for_send", "after_send", "parked_version", "clear_grad",
            "accumulate_grad", "rewrite", "read_ahead"]
 
 READ_AHEAD_FACTOR = 2
@@ -73,6 +73,12 @@ def accumulate_grad(shard: torch.Tensor, part: torch.Tensor, accumulate: bool) -
         return False
     parking.accumulate_grad(shard, part, accumulate)
     return True
+
+
+def clear_grad(shard: torch.Tensor) -> None:
+    """Forget a parked shard's grad in the store (nothing for a shard in memory)."""
+    if parking.parked(shard) is not None:
+        parking.clear_grad(shard)
 
 
 @contextlib.contextmanager

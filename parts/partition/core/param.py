@@ -36,9 +36,7 @@ Code that writes the shard *and* the full tensor consistently calls ``stamp``.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -50,12 +48,13 @@ from parts._compat import default_torch_function
 from parts.comm import GroupArg, GroupInfo
 from parts.partition.core import disk
 from parts.base.layout import ShardLayout
+from parts.partition.core.grad_guard import ATTR as _ATTR
+from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, in_internal, internal
 
 __all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "ReleasedData", "is_partitioned", "meta", "alloc",
            "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp",
            "wanted_dtype"]
 
-_ATTR = "_parts_meta"
 
 
 class ParamStatus(enum.Enum):
@@ -139,6 +138,7 @@ class ParamMeta:
         self._grad, self.shard.grad = None, None
         if value is None:
             return
+        value = as_grad_shard(value)
         if value.dtype == self.shard.dtype and value.device == self.shard.device:
             self.shard.grad = value
         else:
@@ -169,7 +169,7 @@ def attach_meta(p: nn.Parameter, record: ParamMeta) -> None:
     """Store ``record`` on ``p`` (internal) and guard ``p`` while it is not AVAILABLE."""
     p.__dict__[_ATTR] = record
     record._owner = weakref.ref(p)
-    own = type(p) if type(p) is not ReleasedParameter else nn.Parameter
+    own = ShardedParameter if type(p) in (nn.Parameter, ReleasedParameter) else type(p)
     try:  # a tensor subclass with another memory layout cannot switch class: left unguarded
         p.__class__ = ReleasedParameter
         p.__class__ = own
@@ -265,7 +265,7 @@ def _first_released(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     return None
 
 
-class ReleasedParameter(nn.Parameter):
+class ReleasedParameter(ShardedParameter):
     """The class of a sharded parameter while its full tensor is not in ``p.data``: ops raise."""
 
     @classmethod
@@ -369,27 +369,3 @@ def common_info(pairs: list[tuple[torch.Tensor, ParamMeta]], group: GroupArg, wh
         raise ValueError(f"{what}: {first.describe()} is sharded over another process group "
                          f"than the group passed")
     return first.info
-
-
-class _Internal(contextlib.ContextDecorator, threading.local):
-    """Marks library code: the construction-time interceptor of ``partitioned`` stands aside.
-
-    The nesting depth is per thread: library code running on one thread does not switch the
-    guards off for another."""
-
-    depth = 0
-
-    def __enter__(self) -> "_Internal":
-        self.depth += 1
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.depth -= 1
-
-
-internal = _Internal()
-
-
-def in_internal() -> bool:
-    """True while library code runs (the interceptor must not act)."""
-    return internal.depth > 0
