@@ -2,7 +2,8 @@
 
 The one process-group handle (``GroupInfo``, ``resolve_group``/``group_info``, membership
 and world-size checks), the collectives (each counted in ``comm_counter``, one documented
-convention: see ``parts.comm.counter``), object exchange, the gloo algorithms that beat
+convention: see ``parts.comm.counter``), object exchange, checks agreed across ranks
+(``agree``), the gloo algorithms that beat
 gloo's own, and the handles of issued collectives (``Work``, ``WorkList``). Each part keeps
 a small module of its domain collectives on top of this; nothing else in ``parts`` imports
 ``torch.distributed`` (torch-version shims stay in ``parts._compat``).
@@ -11,6 +12,7 @@ a small module of its domain collectives on top of this; nothing else in ``parts
 from parts.comm.collectives import (ReduceOp, all_gather, all_gather_list, all_gather_many,
                                     all_reduce, broadcast, comm_device, new_group, reduce_scatter,
                                     reduce_scatter_many)
+from parts.comm.agree import RankDisagreement, agree
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
@@ -26,5 +28,5 @@ __all__ = [
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
     "all_reduce", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
     "new_group", "comm_device", "all_gather_direct", "reduce_scatter_consuming",
-    "Waitable", "Work", "WorkList",
+    "Waitable", "Work", "WorkList", "agree", "RankDisagreement",
 ]

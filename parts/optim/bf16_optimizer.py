@@ -17,7 +17,7 @@ from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
 from .sharded import ShardedParam, is_partitioned, meta
-from .validation import ParamChecker, check_options
+from .validation import ParamChecker, check_options, check_shard_group
 
 __all__ = ["BF16Optimizer"]
 
@@ -120,6 +120,9 @@ class BF16Optimizer(torch.optim.Optimizer):
                 name = names.get(id(p), f"group{g}.param{i}")
                 if is_partitioned(p):
                     record = meta(p)
+                    check_shard_group(record.name or name, record.info.global_ranks(),
+                                      self.comm.global_ranks(),
+                                      self.process_group is None)
                     checker.check(p, name, record.shard.dtype)
                     sp = ShardedParam(p, record, self.rank)
                     sp.name = sp.name or name

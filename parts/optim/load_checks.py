@@ -11,11 +11,11 @@ torch optimizers keep as a float or an integer: any real (non-bool, non-complex)
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["check_names", "check_dtypes", "COUNTER_KEYS"]
+__all__ = ["check_names", "check_dtypes", "group_options", "COUNTER_KEYS"]
 
 COUNTER_KEYS = frozenset({"step"})
 """State keys that are step counters: integer or floating dtypes both load."""
@@ -90,3 +90,41 @@ def _check_value(who: str, key: Any, value: Any) -> None:
         what = "fp32 master" if key is None else f"state {key!r}"
         raise ValueError(f"checkpoint {who}: {what} is {dtype}, expected torch.float32 (or another "
                          f"floating-point dtype); was the checkpoint cast or corrupted?")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Option values equal (tensors by value, e.g. a tensor lr)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _same_options(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+
+
+def group_options(saved: Sequence[Mapping[str, Any]], saved_group: Mapping[str, int],
+                  current: Sequence[Sequence[str]]) -> list[Optional[dict]]:
+    """Per current param group, the saved settings (lr, ...) of the saved group its params were in.
+
+    Parameters are matched by name, so groups listed in another order, or split or merged,
+    get their own settings back (None: no saved parameter, settings kept). Raises naming the
+    group and the parameters if one current group holds params saved with different settings."""
+    out: list[Optional[dict]] = []
+    for g, names in enumerate(current):
+        sources = sorted({saved_group[n] for n in names if n in saved_group})
+        if not sources:
+            out.append(None)
+            continue
+        first = saved[sources[0]]
+        for s in sources[1:]:
+            if not _same_options(first, saved[s]):
+                held = [n for n in names if saved_group.get(n) in (sources[0], s)]
+                raise ValueError(
+                    f"param group {g} holds parameters saved in param groups {sources[0]} and {s} "
+                    f"with different settings ({dict(first)} vs {dict(saved[s])}): {held}; build "
+                    f"the optimizer with those parameters in separate groups, as when saved")
+        out.append(dict(first))
+    return out

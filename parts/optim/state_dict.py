@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
+from parts.comm import agree
+
 from . import _collectives as C
 from .layout import source_ranges
-from .load_checks import check_dtypes, check_names
+from .load_checks import check_dtypes, check_names, group_options
 
 if TYPE_CHECKING:  # the optimizer imports this module
     from .bf16_optimizer import BF16Optimizer
@@ -158,6 +160,11 @@ class _Reader:
     """Reads elements ``[e0, e1)`` of one saved parameter's flat master or state."""
 
     def __init__(self, source: Any) -> None:
+        if source is None:
+            raise ValueError("BF16Optimizer.load_state_dict got None on this rank: "
+                             "consolidated_state_dict() returns None on every rank but 0 (it gathers "
+                             "to rank 0); pass the same consolidated dict on every rank (save it on "
+                             "rank 0, load the file on every rank), or every saved rank's state_dict()")
         sds = list(source) if isinstance(source, (list, tuple)) else [source]
         for sd in sds:
             if not isinstance(sd, dict) or sd.get("format") != FORMAT:
@@ -173,6 +180,30 @@ class _Reader:
         check_names({n: m["shape"] for n, m in self.meta.items()}, model, strict)
         check_dtypes(self.sds.values())
 
+    def _span(self, name: str) -> tuple[int, int]:
+        """(offset of ``name`` in its saved partition space, saved partition size)."""
+        m = self.meta[name]
+        if m["kind"] == "flat":
+            return m["offset"], self.first["groups"][m["group"]]["partition_numel"]
+        return 0, m["shard_numel"]
+
+    def check_sources(self, pieces: Sequence[tuple[str, int, int]]) -> None:
+        """Raise naming the saved ranks whose dicts the ``(name, e0, e1)`` pieces need and lack."""
+        if self.consolidated:
+            return
+        need = set()
+        for name, e0, e1 in pieces:
+            if e1 > e0:
+                base, size = self._span(name)
+                need.update(rank for rank, _, _ in source_ranges(base + e0, base + e1, size))
+        lacking = sorted(need - set(self.sds))
+        if lacking:
+            plural = "s" if len(lacking) > 1 else ""
+            raise ValueError(f"BF16Optimizer.load_state_dict: this rank's partition needs the state "
+                             f"dict{plural} of saved rank{plural} {', '.join(map(str, lacking))} of "
+                             f"{self.first['world_size']}; got saved ranks {sorted(self.sds)}. Pass "
+                             f"the list of every saved rank's state_dict() on every rank")
+
     def _record(self, name: str, rank: int) -> dict:
         if rank not in self.sds:
             raise ValueError(f"loading parameter {name!r} needs the state dict of saved rank "
@@ -187,10 +218,7 @@ class _Reader:
         if self.consolidated:
             src = self.first["master"][name] if key is None else self.first["state"][name][key]
             return src.reshape(-1)[e0:e1]
-        m = self.meta[name]
-        base = m["offset"] if m["kind"] == "flat" else 0
-        size = (self.first["groups"][m["group"]]["partition_numel"] if m["kind"] == "flat"
-                else m["shard_numel"])
+        base, size = self._span(name)
         parts = []
         for rank, lo, hi in source_ranges(base + e0, base + e1, size):
             rec = self._record(name, rank)
@@ -232,18 +260,41 @@ def _model_shapes(opt: "BF16Optimizer") -> dict[str, Sequence[int]]:
     return out
 
 
+def _pieces(opt: Any) -> list[tuple[str, int, int]]:
+    """``(name, e0, e1)``: the elements of every parameter this rank's masters hold."""
+    out = []
+    for g, fg in enumerate(opt.flat_groups):
+        if fg is not None:
+            out += [(fg.names[pc.index], pc.start, pc.stop) for pc in fg.layout.pieces(opt.rank)]
+        out += [(s.name, *s.layout.range(opt.rank)) for s in opt.sharded_groups[g]]
+    return out
+
+
+def _group_names(opt: Any) -> list[list[str]]:
+    """The parameter names of each of ``opt``'s param groups."""
+    return [(fg.names if fg is not None else []) + [s.name for s in opt.sharded_groups[g]]
+            for g, fg in enumerate(opt.flat_groups)]
+
+
+def _plan(opt: Any, source: Any, strict: bool) -> tuple[_Reader, list]:
+    """Every check of a load, before anything changes: the reader and each group's settings."""
+    reader = _Reader(source)
+    reader.check(_model_shapes(opt), strict)
+    reader.check_sources(_pieces(opt))
+    saved_group = {name: m["group"] for name, m in reader.meta.items()}
+    return reader, group_options(reader.first["param_groups"], saved_group, _group_names(opt))
+
+
 def load(opt: "BF16Optimizer", source: Any, strict: bool = True) -> None:
     """Load a consolidated dict, or saved rank dicts (all, or at least those this rank's new
     partition overlaps; at an unchanged world size, this rank's own), into ``opt``.
 
-    Everything is checked first (names, shapes, dtypes; with ``strict`` also saved parameters
-    the model lacks), so a bad checkpoint raises before ``opt`` changes."""
-    reader = _Reader(source)
-    saved = reader.first["param_groups"]
-    if len(saved) != len(opt.optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(saved)} param groups, optimizer has "
-                         f"{len(opt.optimizer.param_groups)}")
-    reader.check(_model_shapes(opt), strict)
+    Everything is checked first on every rank (names, shapes, dtypes, the saved ranks this
+    rank needs, group settings; with ``strict`` also saved parameters the model lacks) and the
+    verdicts agreed across ranks, so a bad checkpoint raises on every rank before ``opt``
+    changes. Group settings (lr, ...) follow the parameters by name, whatever the group order."""
+    reader, options = agree(lambda: _plan(opt, source, strict), opt.comm,
+                            "BF16Optimizer.load_state_dict")
     for g, fg in enumerate(opt.flat_groups):
         if fg is not None:
             pieces = [(fg.names[pc.index], pc.start, pc.stop, pc.offset)
@@ -252,8 +303,9 @@ def load(opt: "BF16Optimizer", source: Any, strict: bool = True) -> None:
         for s in opt.sharded_groups[g]:
             start, stop = s.layout.range(opt.rank)
             _set_state(opt, s.master, _fill(reader, s.master, [(s.name, start, stop, 0)], s.name))
-    for group, opts in zip(opt.optimizer.param_groups, saved):
-        group.update(opts)
+    for group, opts in zip(opt.optimizer.param_groups, options):
+        if opts is not None:
+            group.update(opts)
     opt.skipped_steps = reader.first["skipped_steps"]
     if opt.loss_scaler is not None and reader.first["loss_scaler"] is not None:
         opt.loss_scaler.load_state_dict(reader.first["loss_scaler"])

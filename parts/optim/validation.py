@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["ParamDtypeError", "LOW_PRECISION", "check_options", "ParamChecker"]
+__all__ = ["ParamDtypeError", "LOW_PRECISION", "check_options", "ParamChecker", "check_shard_group"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -84,3 +84,17 @@ class ParamChecker:
         raise ParamDtypeError(f"BF16Optimizer: parameter {name!r} is {dtype}; it keeps "
                               f"torch.bfloat16 or torch.float16 params with fp32 masters "
                               f"(torch.float32 only with allow_fp32=True): {hint}")
+
+
+def check_shard_group(name: str, shard_ranks: list[int], optimizer_ranks: list[int],
+                      default_group: bool) -> None:
+    """Raise naming ``name`` and both rank lists unless the param is sharded over the optimizer's
+    group: its grad shards, the norm and the write-back live there, so another group would make
+    ``step()`` wait on ranks that never come (a hang, no message)."""
+    if list(shard_ranks) == list(optimizer_ranks):
+        return
+    which = "group=None, the default group" if default_group else "group="
+    raise ValueError(f"BF16Optimizer: parameter {name!r} is sharded over global ranks "
+                     f"{list(shard_ranks)}, but the optimizer's group ({which}) has global ranks "
+                     f"{list(optimizer_ranks)}; pass group= the process group the model is "
+                     f"sharded over (e.g. the group given to partitioned()/attach())")
