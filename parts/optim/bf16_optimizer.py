@@ -16,7 +16,7 @@ from . import state_dict as ckpt
 from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
-from .sharded import ShardedParam, is_partitioned, meta
+from .sharded import ShardedParam, announce, is_partitioned, meta
 from .validation import ParamChecker, check_options, check_shard_group
 
 __all__ = ["BF16Optimizer"]
@@ -218,6 +218,7 @@ class BF16Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        announce([s.param for sh in self.sharded_groups for s in sh], "BF16Optimizer.step")
         if not self._has_grads and not self._sharded_have_grads():
             raise RuntimeError("BF16Optimizer.step() was called before any backward produced "
                                "gradients (or right after zero_grad()); call loss.backward() first")

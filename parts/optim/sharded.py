@@ -7,8 +7,9 @@ from typing import Optional
 import torch
 
 from parts.partition.core.param import ParamMeta, is_partitioned, meta
+from parts.partition.core.points import announce
 
-__all__ = ["ShardedParam", "is_partitioned", "meta"]
+__all__ = ["ShardedParam", "is_partitioned", "meta", "announce"]
 
 
 class ShardedParam:

@@ -66,6 +66,7 @@ from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, fr
 from parts.partition.coordinator.step import ModuleCall, StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name, trace_digest
+from parts.partition.core import points
 from parts.partition.core.param import is_partitioned, meta
 
 __all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
@@ -129,7 +130,17 @@ class FetchCoordinator:
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
         for sub in self.table.modules:
             _attached[sub] = self
+        if self.knobs.debug:
+            self._checker = weakref.WeakMethod(self._outside)
+            points.register(self._records(), self._checker)
         return self
+
+    def _records(self) -> list:
+        return [meta(p) for p in self.table.params.values()]
+
+    def _outside(self, what: str) -> None:
+        """Debug mode: agree with every rank on a collective outside a step, and on steps begun."""
+        self.check.outside(what, sum(self._phase_steps.values()), self._phase_steps.get("train", 0))
 
     def detach(self) -> None:
         """Remove every hook; parameters stay sharded (use ``gathered`` to read them)."""
@@ -139,6 +150,9 @@ class FetchCoordinator:
             raise RuntimeError("FetchCoordinator.detach: called inside a forward (modules "
                                f"{[self.table.names[c.index] for c in self._stack]} are running)")
         self.reducer.wait()
+        if self.knobs.debug:
+            self._outside("detach")
+            points.unregister(self._records(), self._checker)
         for hooks in self._hooks.values():
             hooks.remove()
         for handle in self._grad_hooks:

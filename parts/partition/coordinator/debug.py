@@ -25,7 +25,7 @@ from parts.partition.coordinator.step import StepState
 __all__ = ["RankDivergence", "DebugPoint", "encode", "decode", "divergence_message", "ids_digest",
            "exchange", "check_point", "StepCheck"]
 
-KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end")
+KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end", "outside")
 _PHASE_WORDS = 3  # the phase name travels as 24 UTF-8 bytes (longer names are cut)
 RECORD_LEN = _PHASE_WORDS + 6
 _MASK = (1 << 62) - 1
@@ -78,6 +78,9 @@ def _module(point: DebugPoint, names: Sequence[str]) -> str:
 
 def describe(point: DebugPoint, names: Sequence[str]) -> str:
     """What a rank at ``point`` is doing, e.g. ``the forward of module 'blocks.2' (event 5 of train step 1)``."""
+    if point.kind == "outside":
+        return (f"`{point.phase}` outside any step, after {point.step} steps begun "
+                f"({point.count} of them train steps)")
     what = {
         "start": f"the start of its step, re-gathering {point.count} persistent parameters",
         "F": f"the forward of module {_module(point, names)}",
@@ -109,6 +112,10 @@ def divergence_message(points: Sequence[DebugPoint], names: Sequence[str]) -> st
         return (head + f"the {points[0].phase} step {points[0].step} trace digest differs across "
                 f"ranks: {[hex(p.digest) for p in points]}")
     lines = [f"rank {r} is at {describe(p, names)}" for r, p in enumerate(points)]
+    if any(p.kind == "outside" for p in points):
+        return (head + "ranks are at different steps: " + "; ".join(lines) + ". Every rank must "
+                "run the same number of steps (batches) before a collective outside a step: "
+                "skip a batch on every rank or none, and give every rank as many batches.")
     return (head + f"ranks diverged at event {min(p.seq for p in points)}: " + "; ".join(lines)
             + ". All ranks must run the same submodules in the same order and phase (every fetch "
             "is a collective); make data-dependent branches and train/eval switches agree across "
@@ -153,4 +160,13 @@ class StepCheck:
         point = DebugPoint(step.phase, step.number, step.seq, kind, module, len(ids),
                            ids_digest(ids) if digest is None else digest)
         step.seq += 1
+        check_point(point, self.names, self.group)
+
+    def outside(self, what: str, steps: int, train_steps: int) -> None:
+        """Agree on a collective outside any step (a state dict, an optimizer step, detach) and on
+        the steps each rank began: one rank a batch ahead or behind raises on every rank."""
+        if not self.enabled:
+            return
+        point = DebugPoint(what, steps, -1, "outside", -1, train_steps,
+                           ids_digest([ord(c) for c in what]))
         check_point(point, self.names, self.group)

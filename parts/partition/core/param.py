@@ -89,6 +89,8 @@ class ParamMeta:
     full_ptr: int = 0  # data_ptr of the storage ``gather`` filled (0: none)
     shrunk: Optional[torch.Tensor] = field(default=None, repr=False)  # full tensor whose storage
     # ``release(free_storage=True)`` resized to 0; the next gather refills that very storage
+    checker: Any = field(default=None, repr=False)  # weak method a debug coordinator registered
+    # (core/points.py): collectives outside its steps over this param are agreed across ranks
 
     @property
     def status(self) -> ParamStatus:

@@ -18,6 +18,7 @@ from torch import nn
 
 from parts._compat import incompatible_keys
 from parts.comm import GroupInfo, broadcast, broadcast_object, resolve_group
+from parts.partition.core import points
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted, stamp
 from parts.partition.core.sharding import write_shard
@@ -59,6 +60,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True, bucket_numel: in
     _check_module(module, "full_state_dict")
     own = module.state_dict(keep_vars=True)
     pairs = _partitioned_pairs(own)
+    points.announce([p for p, _ in pairs], "full_state_dict")
     keep = not rank0_only or _info(pairs).rank == 0
     full: dict[int, torch.Tensor] = {}
     for bucket in _buckets(pairs, bucket_numel):
@@ -115,6 +117,7 @@ def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], str
     if sd is not None and not isinstance(sd, Mapping):
         raise TypeError(f"load_full_state_dict: sd must be a mapping of key -> tensor, got {type(sd).__name__}")
     own = module.state_dict(keep_vars=True)
+    points.announce([p for p, _ in _partitioned_pairs(own)], "load_full_state_dict")
     info = _info(_partitioned_pairs(own))
     sd = sd if sd is not None else {}
     verdict = _verdict(own, sd, strict) if info.rank == 0 else None
