@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-__all__ = ["CheckpointError", "save", "load", "read_manifest"]
+__all__ = ["CheckpointError", "save", "load", "read_manifest", "check_loadable"]
 
 FORMAT = "parts-checkpoint/1"
 _MAGIC = b"PARTSCK1"
@@ -46,9 +46,40 @@ def _tensor_entries(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
             yield from _tensor_entries(value, f"{prefix}.{index}" if prefix else str(index))
 
 
+_PLAIN = (str, bytes, int, float, bool, type(None), torch.Size, torch.dtype, torch.device)
+_HINT = {"Namespace": "vars(args)", "PosixPath": "str(path)", "WindowsPath": "str(path)"}
+
+
+def check_loadable(obj: Any, where: str = "obj") -> None:
+    """Raise ``TypeError`` naming the first value ``load`` (``weights_only``) would refuse:
+    only tensors, numbers, strings, bytes, None, dtypes, devices, lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor) or (isinstance(obj, _PLAIN) and type(obj) in _PLAIN):
+        return
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        for index, value in enumerate(obj):
+            check_loadable(value, f"{where}[{index}]")
+        return
+    if isinstance(obj, dict) and type(obj).__name__ in ("dict", "OrderedDict"):
+        for key, value in obj.items():
+            check_loadable(key, f"a key of {where}")
+            check_loadable(value, f"{where}[{key!r}]")
+        return
+    name = type(obj).__name__
+    hint = _HINT.get(name, ".item()/.tolist()" if type(obj).__module__ == "numpy" else "a dict "
+                     "of plain values")
+    raise TypeError(f"parts.io.save: {where} is a {type(obj).__module__}.{name}, which "
+                    f"parts.io.load (torch.load weights_only=True) refuses; the file could not be "
+                    f"loaded. Save plain values instead (e.g. {hint})")
+
+
 def _manifest(obj: Any, payload: bytes, world_size: Optional[int], step: Optional[int]) -> dict:
-    tensors = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-               for name, t in _tensor_entries(obj)}
+    tensors: dict[str, dict] = {}
+    for name, t in _tensor_entries(obj):
+        if name in tensors:
+            raise ValueError(f"parts.io.save: two tensors are both named {name!r} in the manifest "
+                             f"(a key with a dot beside nested dicts, or 0 beside '0'); load "
+                             f"could not tell them apart. Rename one of the keys")
+        tensors[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     return {"format": FORMAT, "world_size": world_size, "step": step, "tensors": tensors,
             "payload_bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
 
@@ -61,8 +92,13 @@ def _serialize(value: Any) -> bytes:
 
 def save(obj: Any, path: PathLike, *, world_size: Optional[int] = None,
          step: Optional[int] = None) -> dict:
-    """Write ``obj`` to ``path`` atomically with a manifest; return the manifest."""
+    """Write ``obj`` to ``path`` atomically with a manifest; return the manifest.
+
+    Raises before writing anything if ``load`` could not read ``obj`` back (a value type
+    ``weights_only`` refuses, two tensors with the same manifest name)."""
     path = Path(path)
+    check_loadable(obj)
+    _manifest(obj, b"", world_size, step)  # names checked before the payload is built
     payload = _serialize(obj)
     manifest = _manifest(obj, payload, world_size, step)
     header = _serialize(manifest)

@@ -1,0 +1,44 @@
+"""Issue 21, parts.io row 9: save only writes what load accepts (checked at save time)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from parts import io as pio
+
+
+@pytest.mark.parametrize("value, fragment", [
+    (argparse.Namespace(lr=0.1), "obj['args'] is a argparse.Namespace"),
+    (Path("/tmp/x"), "obj['args'] is a pathlib.PosixPath"),
+    ({1, 2}, "obj['args'] is a builtins.set"),
+])
+def test_save_refuses_values_load_would_refuse(tmp_path: Path, value: object, fragment: str) -> None:
+    """Row 9: a TypeError naming the value, and no file written (before: saved, then unloadable)."""
+    with pytest.raises(TypeError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        pio.save({"w": torch.ones(2), "args": value}, tmp_path / "ck.pt")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("obj", [
+    {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}},
+    {0: torch.ones(1), "0": torch.zeros(1)},
+])
+def test_save_refuses_tensor_names_that_collide(tmp_path: Path, obj: dict) -> None:
+    """Row 9: two tensors with one manifest name cannot be verified on load: refused at save."""
+    with pytest.raises(ValueError, match="two tensors are both named"):
+        pio.save(obj, tmp_path / "ck.pt")
+    assert not any(tmp_path.iterdir())
+
+
+def test_save_accepts_what_load_accepts(tmp_path: Path) -> None:
+    """Plain state: saved and loaded back equal (the check refuses nothing loadable here)."""
+    obj = {"model": {"w": torch.arange(4.0)}, "step": 3, "lr": 1e-3, "name": "run", "none": None,
+           "shape": torch.Size([2]), "dtype": torch.bfloat16, "nested": [(1, 2.0), {"k": b"x"}]}
+    pio.save(obj, tmp_path / "ck.pt")
+    back = pio.load(tmp_path / "ck.pt")
+    assert torch.equal(back["model"]["w"], obj["model"]["w"])
+    assert {k: v for k, v in back.items() if k != "model"} == {k: v for k, v in obj.items() if k != "model"}
