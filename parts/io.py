@@ -16,6 +16,7 @@ import hashlib
 import io
 import os
 import tempfile
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -103,8 +104,11 @@ def save(obj: Any, path: PathLike, *, world_size: Optional[int] = None,
     manifest = _manifest(obj, payload, world_size, step)
     header = _serialize(manifest)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _remove_stale_temporaries(path)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
+                                    suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # what open() (and torch.save) gives; mkstemp gives 0600
         with os.fdopen(fd, "wb") as handle:
             handle.write(_MAGIC + len(header).to_bytes(8, "little") + len(payload).to_bytes(8, "little"))
             handle.write(header)
@@ -117,6 +121,31 @@ def save(obj: Any, path: PathLike, *, world_size: Optional[int] = None,
         raise
     _fsync_directory(path.parent)
     return manifest
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete temporary files of earlier saves to ``path`` whose writing process is gone
+    (killed mid-write); a save still running in another live process keeps its file."""
+    for tmp in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_directory(directory: Path) -> None:

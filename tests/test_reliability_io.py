@@ -42,3 +42,19 @@ def test_save_accepts_what_load_accepts(tmp_path: Path) -> None:
     back = pio.load(tmp_path / "ck.pt")
     assert torch.equal(back["model"]["w"], obj["model"]["w"])
     assert {k: v for k, v in back.items() if k != "model"} == {k: v for k, v in obj.items() if k != "model"}
+
+
+def test_save_writes_mode_0644_and_removes_stale_temporaries(tmp_path: Path) -> None:
+    """Row 10: files get open()'s mode (0644 under umask 022, as torch.save), not mkstemp's 0600;
+    a temporary left by a killed save (its pid gone) is removed, a live writer's is kept."""
+    import os
+    stale = tmp_path / ".ck.pt.999999999.x1.tmp"  # no such pid
+    live = tmp_path / f".ck.pt.{os.getppid()}.x2.tmp"
+    stale.write_bytes(b"torn"), live.write_bytes(b"writing")
+    old = os.umask(0o022)
+    try:
+        pio.save({"w": torch.ones(2)}, tmp_path / "ck.pt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ck.pt").stat().st_mode & 0o777 == 0o644
+    assert not stale.exists() and live.exists()
