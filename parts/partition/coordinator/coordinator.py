@@ -7,40 +7,20 @@ uses others' (external parameters), plus the root:
   released after it, unless kept for reuse or persistent; before its backward (a pre-hook on
   the autograd nodes of the forward's output tensors, found in tuples, dicts and dataclasses)
   they are gathered again;
-* grads are reduce-scattered into fp32 grad shards (coordinator_reduce.py) once per
-  backward, after a parameter's last use (``register_post_accumulate_grad_hook``: tied
-  weights once, never early),
-  accumulating across micro-batches; complete grads wait in a bucket until it holds
-  ``reduce_bucket_size`` elements (0: each alone), then go in one group of collectives
-  (async with ``overlap_comm``: it runs while backward computes the next bucket; every
-  bucket has landed in the grad shards when ``backward()`` returns);
+* grads are reduce-scattered into fp32 grad shards (reduce.py) once per backward, after a
+  parameter's last use (``register_post_accumulate_grad_hook``: tied weights once),
+  accumulating across micro-batches; complete grads wait in a bucket of
+  ``reduce_bucket_size`` elements, then go in one group of collectives (async with
+  ``overlap_comm``, while backward computes the next bucket; all have landed in the grad
+  shards when ``backward()`` returns);
 * the first step of each phase (``train``, ``eval/no_grad``, ...) records the submodule order;
   later steps prefetch ahead along it with async gathers. A step that leaves the trace (a
   skipped block, another branch) fetches on demand from there on and becomes the new trace
   (the last 4 distinct traces of a phase are kept, so alternating graphs replay both).
   A "step" is one or more forwards and the backward that follows (or one no-grad forward).
 
-Knobs (element counts): ``prefetch_bucket_size``: how far ahead prefetch reaches (0: off).
-``max_reuse_distance``: a released-after-use parameter stays gathered if the trace needs it
-again after fewer than this many elements of other fetches (0: always release, the 3x
-communication schedule). ``max_live_parameters``: budget of non-persistent gathered (or
-in-flight) elements; prefetch and reuse stay within it and a fetch first releases idle
-parameters (farthest next use first), so it is exceeded only by the parameters of the
-modules running at that moment (the current one, running ancestors, tied parameters
-waiting for their last backward use). ``persistence_threshold`` /
-``model_persistence_threshold``: parameters of at most that many elements (smallest first,
-up to that total) are gathered at the start of the first step, all in one collective, and
-stay gathered for good. At the start of every later step those whose shard changed since
-they were gathered (an optimizer stepped it: ``parts.partition.core.param.is_stale``) are
-gathered again, in one collective, so no stale full copy is ever used: one gather of them
-per optimizer step, none for steps without an update (evaluation, accumulation).
-``mixed_precision``: a ``MixedPrecision`` policy (fp32 shards gathered as ``param_dtype``,
-grads reduce-scattered in ``reduce_dtype``; core/precision.py).
-``sync_buffers`` (default True, DDP's ``broadcast_buffers``): rank 0's buffers are broadcast
-at the start of every step in train mode and of the first other step after one
-(``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
-``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
-that size instead of going back to the host allocator (CPU only; ``storage_pool.py``).
+The element-count knobs are documented on ``plan.Knobs``; ``mixed_precision`` and
+``sync_buffers`` on ``FetchCoordinator``.
 
 What all ranks must share: the same submodules run in the same order (every fetch and
 reduce-scatter is a collective). ``debug=True`` makes the ranks agree on (phase, step,
@@ -79,7 +59,7 @@ from parts.partition.core import points
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
 
-__all__ = ["FetchCoordinator", "RankDivergence", "attach", "detach", "register_external_parameter"]
+__all__ = ["FetchCoordinator", "RankDivergence", "attached_to"]
 
 _attached: "weakref.WeakKeyDictionary[nn.Module, FetchCoordinator]" = weakref.WeakKeyDictionary()
 """Which coordinator hooks a module: a weak lookup for the module-level ``detach(module)`` and
@@ -106,7 +86,13 @@ class FetchCoordinator:
     The hooks and the step lifecycle live here; the state lives in named pieces built at
     ``attach``: ``table`` (modules, parameters, sizes, persistence), ``live`` (gathered
     parameters, use counts, budget, release, storage pool), ``prefetcher`` (traces, plan,
-    prefetch gathers) and ``reducer`` (grad buckets, reduce-scatters).
+    prefetch gathers) and ``reducer`` (grad buckets, reduce-scatters). The element-count
+    knobs are ``plan.Knobs``.
+    ``mixed_precision``: a ``MixedPrecision`` policy (fp32 shards gathered as ``param_dtype``,
+    grads reduce-scattered in ``reduce_dtype``; core/precision.py).
+    ``sync_buffers`` (default True, DDP's ``broadcast_buffers``): rank 0's buffers are broadcast
+    at the start of every step in train mode and of the first other step after one
+    (``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
     """
 
     def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 50_000_000,
@@ -408,29 +394,7 @@ class FetchCoordinator:
             self._end_step(phase)
 
 
-def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
-    """Hook ``module`` (already sharded) so plain ``model(x); loss.backward()`` runs ZeRO-3."""
-    if coordinator is not None and knobs:
-        raise ValueError(f"attach: pass knobs to FetchCoordinator(...) or to attach(), not both "
-                         f"(got a coordinator and {sorted(knobs)})")
-    coordinator = coordinator if coordinator is not None else FetchCoordinator(**knobs)
-    return coordinator.attach(module)
 
-
-def detach(module_or_coordinator: Union[nn.Module, "FetchCoordinator"]) -> None:
-    """Remove the coordinator hooks from a model (or detach the given coordinator)."""
-    if isinstance(module_or_coordinator, FetchCoordinator):
-        module_or_coordinator.detach()
-        return
-    coordinator = _attached.get(module_or_coordinator)
-    if coordinator is not None:
-        coordinator.detach()
-
-
-def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
-    """Declare that ``module``'s forward uses ``param`` of another module (fetch it with ``module``)."""
-    coordinator = _attached.get(module)
-    if coordinator is None:
-        raise RuntimeError(f"register_external_parameter: {type(module).__name__} is not part of a "
-                           "model with an attached FetchCoordinator; call attach(model) first")
-    coordinator.register_external_parameter(module, param)
+def attached_to(module: nn.Module) -> Optional[FetchCoordinator]:
+    """The coordinator whose hooks are on ``module`` (None if none)."""
+    return _attached.get(module)

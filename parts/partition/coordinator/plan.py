@@ -29,7 +29,25 @@ _INT_KNOBS = ("prefetch_bucket_size", "max_reuse_distance", "max_live_parameters
 
 @dataclass(frozen=True)
 class Knobs:
-    """Validated settings of a ``FetchCoordinator`` (all sizes in elements)."""
+    """Validated settings of a ``FetchCoordinator`` (all sizes in elements).
+
+    ``prefetch_bucket_size``: how far ahead prefetch reaches (0: off).
+    ``max_reuse_distance``: a released-after-use parameter stays gathered if the trace needs it
+    again after fewer than this many elements of other fetches (0: always release, the 3x
+    communication schedule). ``max_live_parameters``: budget of non-persistent gathered (or
+    in-flight) elements; prefetch and reuse stay within it and a fetch first releases idle
+    parameters (farthest next use first), so it is exceeded only by the parameters of the
+    modules running at that moment (the current one, running ancestors, tied parameters
+    waiting for their last backward use). ``persistence_threshold`` /
+    ``model_persistence_threshold``: parameters of at most that many elements (smallest first,
+    up to that total) are gathered at the start of the first step, all in one collective, and
+    stay gathered for good. At the start of every later step those whose shard changed since
+    they were gathered (an optimizer stepped it: ``parts.partition.core.param.is_stale``) are
+    gathered again, in one collective, so no stale full copy is ever used: one gather of them
+    per optimizer step, none for steps without an update (evaluation, accumulation).
+    ``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
+    that size instead of going back to the host allocator (CPU only; ``storage_pool.py``).
+    """
 
     prefetch_bucket_size: int = 50_000_000
     max_reuse_distance: int = 1_000_000_000

@@ -1,0 +1,40 @@
+"""The module-level entry points of the coordinator: ``attach``, ``detach``,
+``register_external_parameter``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from torch import nn
+
+from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
+
+__all__ = ["attach", "detach", "register_external_parameter"]
+
+
+def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
+    """Hook ``module`` (already sharded) so plain ``model(x); loss.backward()`` runs ZeRO-3."""
+    if coordinator is not None and knobs:
+        raise ValueError(f"attach: pass knobs to FetchCoordinator(...) or to attach(), not both "
+                         f"(got a coordinator and {sorted(knobs)})")
+    coordinator = coordinator if coordinator is not None else FetchCoordinator(**knobs)
+    return coordinator.attach(module)
+
+
+def detach(module_or_coordinator: Union[nn.Module, "FetchCoordinator"]) -> None:
+    """Remove the coordinator hooks from a model (or detach the given coordinator)."""
+    if isinstance(module_or_coordinator, FetchCoordinator):
+        module_or_coordinator.detach()
+        return
+    coordinator = attached_to(module_or_coordinator)
+    if coordinator is not None:
+        coordinator.detach()
+
+
+def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``param`` of another module (fetch it with ``module``)."""
+    coordinator = attached_to(module)
+    if coordinator is None:
+        raise RuntimeError(f"register_external_parameter: {type(module).__name__} is not part of a "
+                           "model with an attached FetchCoordinator; call attach(model) first")
+    coordinator.register_external_parameter(module, param)
