@@ -2,12 +2,20 @@
 
     python benchmarks/bench_zero3.py                      # 25.4M-param GPT, fp32, world 2
     python benchmarks/bench_zero3.py --n-embd 256 --steps 6   # quicker
+    python benchmarks/bench_zero3.py --dtype bf16         # bf16 ZeRO-3 vs FSDP2 bf16, vs the fp32 loss
 
 Every system trains the same GPT (recipes/gpt_model.py) from the same seed on the same
 batches, AdamW, fp32, in fresh processes (so peak RSS is each system's own), one system
 after the other in one invocation, ``--rounds`` times in turn (so load drift on a shared
 machine hits all systems alike). Prints the median step time, the ratio to DDP, peak RSS
 per rank, and the final loss (all systems must agree), then the hooks' host overhead.
+
+``--dtype bf16`` (issue 15's anchor): DDP in fp32 is the reference loss; FSDP2 with bf16
+params and fp32 reduce (``MixedPrecisionPolicy``) and parts with ``MixedPrecision()`` (fp32
+shards gathered as bf16, grads reduce-scattered in fp32) train the same model on Python text
+from the standard library (recipes/chardata.py: random tokens would hide the precision gap)
+with AdamW(lr 3e-4, betas 0.9/0.95, weight decay 0.1), 3 + 20 steps; the table adds each
+system's final loss against the fp32 one.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean")
+BF16_SYSTEMS = ("ddp", "fsdp2_bf16", "parts_bf16", "parts_lean_bf16")
+ANCHOR_ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)  # issue 15's anchor
 
 
 def build_ddp(config):
@@ -65,7 +75,53 @@ def build_parts_lean(config):
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
 
+def _bf16_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def build_fsdp2_bf16(config):
+    """FSDP2's mixed precision: fp32 sharded params, bf16 compute, fp32 grad reduction."""
+    from torch.distributed.fsdp import fully_shard
+    model = GPT(config)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=_bf16_policy())
+    fully_shard(model, mp_policy=_bf16_policy())
+    return model, torch.optim.AdamW(model.parameters(), **ANCHOR_ADAMW), None
+
+
+def _parts_bf16(config, **knobs):
+    from parts.partition import MixedPrecision, attach, partitioned, shards
+    with partitioned():  # fp32 shards: the masters
+        model = GPT(config)
+    coordinator = attach(model, mixed_precision=MixedPrecision(), **knobs)
+    return model, torch.optim.AdamW(shards(model), **ANCHOR_ADAMW), coordinator
+
+
+def build_parts_bf16(config):
+    """parts' MixedPrecision policy with the knobs of ``parts``."""
+    return _parts_bf16(config, persistence_threshold=0)
+
+
+def build_parts_lean_bf16(config):
+    """parts' MixedPrecision policy with the knobs of ``parts_lean``."""
+    block = 12 * config.n_embd ** 2
+    return _parts_bf16(config, persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=block,
+                       max_live_parameters=2 * block, reduce_bucket_size=block)
+
+
+def _ddp_anchor(config):
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(GPT(config))
+    return model, torch.optim.AdamW(model.parameters(), **ANCHOR_ADAMW), None
+
+
 def _batches(config, args, rank):
+    if args.dtype == "bf16":
+        from chardata import batch, load_splits
+        generator = torch.Generator().manual_seed(1000 + rank)
+        tokens = load_splits(None)[0]
+        return [batch(tokens, args.batch, config.block_size, generator) for _ in range(args.steps)]
     generator = torch.Generator().manual_seed(1000 + rank)
     shape = (args.batch, config.block_size)
     return [(torch.randint(config.vocab_size, shape, generator=generator),
@@ -80,7 +136,8 @@ def _worker(rank, world_size, port, system, config, args, results):
         from parts.observe import set_mmap_threshold
         set_mmap_threshold(args.mmap_threshold)  # freed large buffers leave the process (all systems)
     torch.manual_seed(0)
-    model, optimizer, coordinator = globals()[f"build_{system}"](config)
+    build = _ddp_anchor if (system, args.dtype) == ("ddp", "bf16") else globals()[f"build_{system}"]
+    model, optimizer, coordinator = build(config)
     times, loss = [], None
     for inputs, targets in _batches(config, args, rank):
         started = time.perf_counter()
@@ -112,8 +169,10 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--steps", type=int, default=None, help="default 10 (fp32), 23 (bf16)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--systems", default=None,
+                        help=f"default {','.join(SYSTEMS)} (fp32), {','.join(BF16_SYSTEMS)} (bf16)")
     parser.add_argument("--mmap-threshold", type=int, default=128 * 1024,
                         help="bytes; every system's processes get parts.observe.set_mmap_threshold(N) "
                              "(0: glibc's dynamic default)")
@@ -121,11 +180,17 @@ def main() -> None:
                         help="run every system this many times, alternating; report the median")
     parser.add_argument("--no-overhead", action="store_true", help="skip the world-1 host-overhead run")
     args = parser.parse_args()
-    config = GPTConfig(vocab_size=128, block_size=args.seq, n_layer=args.n_layer,
+    bf16 = args.dtype == "bf16"
+    args.steps = args.steps or (23 if bf16 else 10)
+    args.systems = args.systems or ",".join(BF16_SYSTEMS if bf16 else SYSTEMS)
+    if bf16:
+        from chardata import VOCAB_SIZE
+    config = GPTConfig(vocab_size=VOCAB_SIZE if bf16 else 128, block_size=args.seq, n_layer=args.n_layer,
                        n_head=8, n_embd=args.n_embd)
     params = sum(p.numel() for p in GPT(config).parameters())
     print(f"GPT {params / 1e6:.1f}M params, world {args.world_size}, micro-batch "
-          f"{args.batch}x{args.seq} per rank, fp32 AdamW, {args.steps} steps, "
+          f"{args.batch}x{args.seq} per rank, {'bf16 (DDP: fp32 reference)' if bf16 else 'fp32'} AdamW, "
+          f"{args.steps} steps, {'stdlib text' if bf16 else 'random tokens'}, "
           f"mmap threshold {args.mmap_threshold or 'glibc default'}")
     results, runs = mp.Manager().dict(), {}
     for round_no in range(args.rounds):  # systems alternate, so load drift hits them alike
@@ -161,14 +226,15 @@ def _combine(rows: list) -> dict:
 
 
 def _print_table(results, params) -> None:
-    ddp, fsdp2 = (results.get(name, {}).get("step") for name in ("ddp", "fsdp2"))
-    print("\n| system | step (s) | vs DDP | vs FSDP2 | peak RSS / rank (MiB) | final loss | "
+    ddp, fsdp2 = results.get("ddp", {}), results.get("fsdp2") or results.get("fsdp2_bf16") or {}
+    print("\n| system | step (s) | vs DDP | vs FSDP2 | peak RSS / rank (MiB) | final loss | vs DDP loss | "
           "gathered + reduce-scattered per step |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for system, row in results.items():
-        ratios = [f"{row['step'] / base:.2f}" if base else "-" for base in (ddp, fsdp2)]
+        ratios = [f"{row['step'] / base['step']:.2f}" if base else "-" for base in (ddp, fsdp2)]
+        gap = f"{100 * (row['loss'] / ddp['loss'] - 1):+.3f}%" if ddp else "-"
         print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | "
-              f"{row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {_traffic(row.get('stats'), params)} |")
+              f"{row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {gap} | {_traffic(row.get('stats'), params)} |")
 
 
 def _print_paired(runs: dict) -> None:
