@@ -8,7 +8,9 @@ Every system trains the same GPT (recipes/gpt_model.py) from the same seed on th
 batches, AdamW, fp32, in fresh processes (so peak RSS is each system's own), one system
 after the other in one invocation, ``--rounds`` times in turn (so load drift on a shared
 machine hits all systems alike). Prints the median step time, the ratio to DDP, peak RSS
-per rank, and the final loss (all systems must agree), then the hooks' host overhead.
+per rank, and the final loss (all systems must agree), then the hooks' host overhead. Beside
+the wall time, each step's CPU time of rank 0's process (all its threads, ``time.process_time``):
+on a machine shared with other jobs wall time swings with their load, CPU time much less.
 
 ``--dtype bf16`` (issue 15's anchor): DDP in fp32 is the reference loss; FSDP2 with bf16
 params and fp32 reduce (``MixedPrecisionPolicy``) and parts with ``MixedPrecision()`` (fp32
@@ -138,20 +140,22 @@ def _worker(rank, world_size, port, system, config, args, results):
     torch.manual_seed(0)
     build = _ddp_anchor if (system, args.dtype) == ("ddp", "bf16") else globals()[f"build_{system}"]
     model, optimizer, coordinator = build(config)
-    times, loss = [], None
+    times, cpu_times, loss = [], [], None
     for inputs, targets in _batches(config, args, rank):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - started)
+        cpu_times.append(time.process_time() - cpu_started)
     loss = loss.detach().clone()
     dist.all_reduce(loss)
     stats = coordinator.stats() if coordinator is not None else None
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if rank == 0:
-        results[system] = dict(step=statistics.median(times[2:] or times), peak_rss=peak_rss,
+        results[system] = dict(step=statistics.median(times[2:] or times),
+                               cpu=statistics.median(cpu_times[2:] or cpu_times), peak_rss=peak_rss,
                                loss=loss.item() / world_size, stats=stats)
     dist.destroy_process_group()
 
@@ -198,7 +202,8 @@ def main() -> None:
             mp.spawn(_worker, args=(args.world_size, _free_port(), system, config, args, results),
                      nprocs=args.world_size)
             runs.setdefault(system, []).append(results[system])
-            print(f"  round {round_no + 1}/{args.rounds} {system}: {results[system]['step']:.3f} s", flush=True)
+            print(f"  round {round_no + 1}/{args.rounds} {system}: {results[system]['step']:.3f} s "
+                  f"(CPU {results[system]['cpu']:.3f} s)", flush=True)
     _print_table({system: _combine(rows) for system, rows in runs.items()}, params)
     _print_paired(runs)
     if not args.no_overhead:
@@ -222,18 +227,20 @@ def _combine(rows: list) -> dict:
     if len(losses) != 1:
         raise RuntimeError(f"runs of one system disagree on the final loss: {sorted(losses)}")
     return dict(step=statistics.median(row["step"] for row in rows),
+                cpu=statistics.median(row["cpu"] for row in rows),
                 peak_rss=max(row["peak_rss"] for row in rows), loss=losses.pop(), stats=rows[-1]["stats"])
 
 
 def _print_table(results, params) -> None:
     ddp, fsdp2 = results.get("ddp", {}), results.get("fsdp2") or results.get("fsdp2_bf16") or {}
-    print("\n| system | step (s) | vs DDP | vs FSDP2 | peak RSS / rank (MiB) | final loss | vs DDP loss | "
-          "gathered + reduce-scattered per step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| system | step (s) | vs DDP | vs FSDP2 | CPU s / step (rank 0) | CPU vs DDP | "
+          "peak RSS / rank (MiB) | final loss | vs DDP loss | gathered + reduce-scattered per step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for system, row in results.items():
         ratios = [f"{row['step'] / base['step']:.2f}" if base else "-" for base in (ddp, fsdp2)]
+        cpu_ratio = f"{row['cpu'] / ddp['cpu']:.2f}" if ddp else "-"
         gap = f"{100 * (row['loss'] / ddp['loss'] - 1):+.3f}%" if ddp else "-"
-        print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | "
+        print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | {row['cpu']:.3f} | {cpu_ratio} | "
               f"{row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {gap} | {_traffic(row.get('stats'), params)} |")
 
 
