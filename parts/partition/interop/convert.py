@@ -13,13 +13,13 @@ in torch.
 
 from __future__ import annotations
 
-import types
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from parts.partition.core.param import is_partitioned, meta
+from parts.partition.interop.overrides import install_method, remove_method
 
 __all__ = ["install_apply", "remove_apply"]
 
@@ -53,13 +53,9 @@ def _apply(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
 
 def install_apply(modules: Iterable[nn.Module]) -> None:
     """Give every module the sharding-aware ``_apply``."""
-    for sub in modules:
-        sub.__dict__["_apply"] = types.MethodType(_apply, sub)
+    install_method(modules, "_apply", _apply)
 
 
 def remove_apply(modules: Iterable[nn.Module]) -> None:
     """Undo ``install_apply``."""
-    for sub in modules:
-        bound = sub.__dict__.get("_apply")
-        if getattr(bound, "__func__", None) is _apply:
-            del sub.__dict__["_apply"]
+    remove_method(modules, "_apply", _apply)

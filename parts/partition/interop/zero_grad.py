@@ -8,13 +8,13 @@ attribute, so the class is untouched); ``detach`` takes it away again.
 
 from __future__ import annotations
 
-import types
 from typing import Iterable
 
 from torch import nn
 
 from parts.partition.core import disk
 from parts.partition.core.param import internal, is_partitioned, meta
+from parts.partition.interop.overrides import install_method, remove_method
 
 __all__ = ["zero_grad_shards", "install_zero_grad", "remove_zero_grad"]
 
@@ -44,13 +44,9 @@ def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
 
 def install_zero_grad(modules: Iterable[nn.Module]) -> None:
     """Give every module a ``zero_grad`` that clears its grad shards too."""
-    for sub in modules:
-        sub.__dict__["zero_grad"] = types.MethodType(_zero_grad, sub)
+    install_method(modules, "zero_grad", _zero_grad)
 
 
 def remove_zero_grad(modules: Iterable[nn.Module]) -> None:
     """Undo ``install_zero_grad`` (modules keep any ``zero_grad`` that is not ours)."""
-    for sub in modules:
-        bound = sub.__dict__.get("zero_grad")
-        if getattr(bound, "__func__", None) is _zero_grad:
-            del sub.__dict__["zero_grad"]
+    remove_method(modules, "zero_grad", _zero_grad)
