@@ -19,11 +19,11 @@ parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
 
+from parts.base.wrapper import OptimizerWrapper
 from parts.offload import parking
 from parts.offload.plan import plan_chunks
 from parts.offload.store import DiskStore, IOHandle
@@ -47,24 +47,19 @@ class _Batch:
         self.handles, self.after, self.keep = [], [], []
 
 
-class OffloadedOptimizer(torch.optim.Optimizer):
+class OffloadedOptimizer(OptimizerWrapper):
     """Wraps ``optimizer``; its per-parameter state tensors live in ``store`` between steps."""
 
     drives_parked_tensors = True  # parking's plain-optimizer guard lets this one through
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: DiskStore, *,
                  chunk_bytes: int = 64 << 20, prefix: str = "optim") -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"OffloadedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        super().__init__(optimizer)
         if not isinstance(store, DiskStore):
             raise TypeError(f"OffloadedOptimizer: store must be a parts.offload.DiskStore, got {type(store).__name__}")
         if chunk_bytes < 1:
             raise ValueError(f"OffloadedOptimizer: chunk_bytes must be >= 1, got {chunk_bytes}")
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
-        self.optimizer, self.store, self.chunk_bytes, self.prefix = optimizer, store, int(chunk_bytes), prefix
+        self.store, self.chunk_bytes, self.prefix = store, int(chunk_bytes), prefix
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
@@ -73,24 +68,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------- what schedulers and users read
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The wrapped optimizer's groups."""
-        return self.optimizer.param_groups
-
-    @property
     def state(self) -> Any:  # type: ignore[override]
         """The wrapped optimizer's in-memory state (offloaded tensors are absent: ``state_of``)."""
         return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's defaults."""
-        return self.optimizer.defaults
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: build the wrapped optimizer with every group first."""
-        raise NotImplementedError("OffloadedOptimizer cannot add param groups after construction; "
-                                  "build the wrapped optimizer with all groups, then wrap it")
 
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The full state of ``p`` (offloaded tensors read back into fresh memory)."""

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from parts._compat import init_optimizer_hooks
+from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ProcessGroup, resolve_group
 
 from . import _collectives as C
@@ -26,7 +26,7 @@ logger = logging.getLogger("parts.optim")
 NamedParams = Union[Iterable[tuple[str, torch.Tensor]], dict]
 
 
-class BF16Optimizer(torch.optim.Optimizer):
+class BF16Optimizer(OptimizerWrapper):
     """Mixed-precision ZeRO-1 wrapper: the wrapped optimizer steps fp32 master partitions.
 
     Grads live in the fp32 buffers the post-accumulate-grad hooks fill, not in ``p.grad``:
@@ -56,8 +56,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                  norm_groups: Sequence[ProcessGroup] = (),
                  replicated: Optional[Callable[[torch.Tensor], bool]] = None,
                  param_dtype: Optional[torch.dtype] = None) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"BF16Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        super().__init__(optimizer)
         self.norm_groups = tuple(norm_groups)
         check_options(clip_grad=clip_grad, norm_type=norm_type, step_chunk=step_chunk,
                       allgather_bucket_size=allgather_bucket_size,
@@ -65,8 +64,7 @@ class BF16Optimizer(torch.optim.Optimizer):
                       replicated=replicated)
         self.step_chunk, self.allow_fp32 = int(step_chunk), bool(allow_fp32)
         self.param_dtype = check_param_dtype(param_dtype)
-        init_optimizer_hooks(self)
-        self.optimizer, self.process_group = optimizer, group
+        self.process_group = group
         self.clip_grad, self.norm_type = float(clip_grad), float(norm_type)
         self.grad_accum_dtype = grad_accum_dtype
         self.comm = resolve_group(group, "BF16Optimizer(group=...)", group_needs_init=False)
@@ -90,27 +88,6 @@ class BF16Optimizer(torch.optim.Optimizer):
         parts = [fg.master.numel() for fg in self.flat_groups if fg is not None]
         self._buckets = plan_buckets(parts, allgather_bucket_size, self.world_size)
         self._patch_step_function()
-
-    # -- what LR schedulers and users read ---------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The wrapped optimizer's groups (their params are the fp32 master tensors)."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        """The wrapped optimizer's per-master state."""
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's defaults."""
-        return self.optimizer.defaults
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported: build the wrapped optimizer with every group first."""
-        raise NotImplementedError("BF16Optimizer cannot add param groups after construction; "
-                                  "build the wrapped optimizer with all groups, then wrap it")
 
     # -- construction -----------------------------------------------------------------------
     def _names(self, named: Optional[NamedParams]) -> dict[int, str]:
