@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "can_swap_storage_data", "swap_storage_data",
            "in_backward", "on_backward_end", "default_torch_function", "incompatible_keys",
-           "init_optimizer_hooks", "TENSOR_BASE", "TorchDispatchMode"]
+           "init_optimizer_hooks", "TENSOR_BASE", "TorchDispatchMode", "dynamo_counters",
+           "counting_backend"]
 
 TENSOR_BASE = torch._C.TensorBase
 """The C base class of ``torch.Tensor`` (the ``__objclass__`` of its methods)."""
@@ -81,3 +82,30 @@ def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
                  "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                  "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
         setattr(optimizer, name, OrderedDict())
+
+
+def dynamo_counters() -> dict:
+    """Frames torch.compile compiled, distinct graphs and graph breaks since ``torch.compiler.reset()``."""
+    from torch._dynamo.utils import counters
+    return {"frames": counters["frames"]["ok"], "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "break_reasons": sorted(counters["graph_break"])}
+
+
+def counting_backend(name: str = "inductor") -> tuple[Callable, list]:
+    """A ``torch.compile`` backend that is ``name``'s, and a one-item list counting how many
+    times the compiled graphs it produced ran (so a silent fallback to eager shows)."""
+    from torch._dynamo import lookup_backend
+    inner, calls = lookup_backend(name), [0]
+
+    def backend(gm: Any, example_inputs: Any) -> Callable:
+        compiled = inner(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            calls[0] += 1
+            return compiled(*args)
+
+        run._boxed_call = getattr(compiled, "_boxed_call", False)
+        return run
+
+    return backend, calls

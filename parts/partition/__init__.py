@@ -36,6 +36,7 @@ from parts.partition.core.precision import MixedPrecision
 from parts.partition.core.state_dict import full_state_dict, load_full_state_dict
 from parts.partition.core.storage_pool import StoragePool
 from parts.partition.interop import clip_grad_norm_, grad_norm, load_pretrained, num_parameters
+from parts.partition.coordinator.compiled import compile_blocks, uncompile_blocks
 from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, RankDivergence, attach,
                                          detach, register_external_parameter)
 
@@ -50,4 +51,5 @@ __all__ = [
     "FetchCoordinator", "attach", "detach", "register_external_parameter",
     "RankDivergence", "CoordinatorStats", "MixedPrecision",
     "clip_grad_norm_", "grad_norm", "load_pretrained", "num_parameters",
+    "compile_blocks", "uncompile_blocks",
 ]

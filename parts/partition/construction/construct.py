@@ -103,10 +103,25 @@ def _add_hooks(mod: nn.Module) -> None:
                                mod.register_load_state_dict_pre_hook(_check_loadable))
 
 
+def drop_forward_check(mod: nn.Module) -> None:
+    """Remove ``mod``'s forward check (a fused compiled block gathers for it: compiled.py)."""
+    hooks = mod.__dict__.get(_HOOK)
+    if hooks is not None and hooks[0] is not None:
+        hooks[0].remove()
+        mod.__dict__[_HOOK] = (None, hooks[1])
+
+
+def restore_forward_check(mod: nn.Module) -> None:
+    """Put back a forward check that ``drop_forward_check`` removed."""
+    hooks = mod.__dict__.get(_HOOK)
+    if hooks is not None and hooks[0] is None:
+        mod.__dict__[_HOOK] = (mod.register_forward_pre_hook(_check_available), hooks[1])
+
+
 def _adopt(module: nn.Module, spec: ShardSpec) -> None:
     """Shard ``module``'s unsharded params, sync its buffers, name records, add check hooks."""
     todo = [(q, p) for q, _, mod, p in _owned(module)
-            if not is_partitioned(p) and not mod.__dict__.get(_DISABLED)]
+            if not is_partitioned(p) and not mod.__dict__.get(_DISABLED) and not p.is_meta]
     shard_params(todo, spec)
     for mod_name, mod in module.named_modules():
         mod.__dict__[_NAME] = mod_name
@@ -122,7 +137,7 @@ def _sync_buffers(module: nn.Module, info: GroupInfo) -> None:
     """Broadcast the module's buffers from group rank 0 (one collective per dtype)."""
     if info.world_size == 1:
         return
-    bufs = [b for b in module.buffers() if b is not None and b.numel()]
+    bufs = [b for b in module.buffers() if b is not None and b.numel() and not b.is_meta]
     for dtype in sorted({b.dtype for b in bufs}, key=str):
         group = [b for b in bufs if b.dtype == dtype]
         flat = torch.cat([b.detach().reshape(-1) for b in group])
@@ -203,7 +218,8 @@ def _apply(self: nn.Module, fn: Any) -> nn.Module:
 def _register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
     _ORIG_REGISTER(self, name, param)
     spec = self.__dict__.get(_SPEC)
-    if param is None or spec is None or id(self) in _state.building or is_partitioned(param):
+    if param is None or spec is None or id(self) in _state.building or is_partitioned(param) \
+            or param.is_meta:  # a placeholder (from_pretrained builds on meta): its values come later
         return
     with internal:
         prefix = self.__dict__.get(_NAME, "")

@@ -188,6 +188,7 @@ class FetchCoordinator:
         self._misses = 0
         self._steps_done = 0
         self._buffers_dirty = True
+        self._units: dict[int, int] = {}  # submodule index -> its fused block's (compiled.py)
 
     def _hook(self, index: int) -> None:
         if index in self._hooks:
@@ -214,6 +215,7 @@ class FetchCoordinator:
         self._add_external(index, meta(param).id)
 
     def _add_external(self, index: int, pid: int) -> None:
+        index = self._units.get(index, index)
         if self.table.add_external(index, pid):
             self._hook(index)
 

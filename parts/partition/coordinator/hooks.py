@@ -107,6 +107,10 @@ class ModuleHooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.unwatch()
+
+    def unwatch(self) -> None:
+        """Give the module back a plain ``_parameters`` dict (reads are no longer reported)."""
         if self.watched:
             params = self.module.__dict__["_parameters"]
             self.module.__dict__["_parameters"] = dict(params.items())
