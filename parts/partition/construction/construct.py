@@ -24,7 +24,10 @@ Patches (``__init__`` wrappers, ``Module.apply``, ``Module.register_parameter``,
 ``Module.__init_subclass__``, the mode) are installed by the outermost active context and
 all removed on its exit; nothing leaks. Parameters registered later (``register_parameter``
 or attribute assignment on a module built in the context) are sharded at once while the
-context is active. Buffers stay full and are broadcast from rank 0. A module owning
+context is active. Parameters on the meta device are placeholders and stay unsharded: Hugging
+Face's ``from_pretrained`` builds the model on meta and then assigns each loaded weight
+(``setattr``), which shards it at once, so ``with partitioned(): from_pretrained(...)`` never
+holds more than one full weight per rank. Buffers stay full and are broadcast from rank 0. A module owning
 sharded parameters gets a forward pre-hook that raises, naming the parameter and the
 module, if one is not gathered (fetch hooks of a coordinator must use ``prepend=True``).
 """
