@@ -3,7 +3,9 @@
 ``full_state_dict`` has exactly the keys, order and shapes of the plain module's
 ``state_dict()`` (tied weights appear under every key, as in torch). Parameters are
 gathered in buckets of ``bucket_numel`` elements and released again, so the peak is the
-output plus one bucket; parameters already gathered are read as they are, unless their
+output plus one bucket (one parameter per bucket when shards are on disk: ``_limit``, so a
+model that does not fit in memory never has more than one parameter's full tensor and
+shard read in beyond the result); parameters already gathered are read as they are, unless their
 shard changed since they were gathered (then they are fetched again). ``load_full_state_dict`` loads **rank 0's** dict on every rank:
 rank 0 checks keys and shapes (the verdict is broadcast so all ranks raise together),
 then broadcasts each bucket and every rank keeps its slice; other ranks may pass ``{}``.
@@ -18,7 +20,7 @@ from torch import nn
 
 from parts._compat import incompatible_keys
 from parts.comm import GroupInfo, broadcast, broadcast_object, resolve_group
-from parts.partition.core import points
+from parts.partition.core import disk, points
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted, stamp
 from parts.partition.core.sharding import write_shard
@@ -39,6 +41,11 @@ def _buckets(pairs: list, limit: int) -> Iterator[list]:
         size += pm[1].numel
     if run:
         yield run
+
+
+def _limit(pairs: list, bucket_numel: int) -> int:
+    """``bucket_numel``, or 1 (one parameter per bucket) if some shard lives in a ``DiskStore``."""
+    return 1 if any(disk.parked_version(m.shard) is not None for _, m in pairs) else bucket_numel
 
 
 def _check_module(module: Any, what: str) -> None:
@@ -63,7 +70,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True, bucket_numel: in
     points.announce([p for p, _ in pairs], "full_state_dict")
     keep = not rank0_only or _info(pairs).rank == 0
     full: dict[int, torch.Tensor] = {}
-    for bucket in _buckets(pairs, bucket_numel):
+    for bucket in _buckets(pairs, _limit(pairs, bucket_numel)):
         ours = [p for p, m in bucket if m.status is not ParamStatus.AVAILABLE]
         gather([p for p, _ in bucket])
         if keep:
@@ -132,7 +139,7 @@ def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], str
     for k in present:
         keys.setdefault(id(own[k]), k)
     pairs = [(p, m) for p, m in _partitioned_pairs(own) if id(p) in keys]
-    for bucket in _buckets(pairs, bucket_numel):
+    for bucket in _buckets(pairs, _limit(pairs, bucket_numel)):
         _load_bucket(bucket, [sd.get(keys[id(p)]) for p, _ in bucket], info)
     for k in present:
         v = own[k]
