@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import time
 
@@ -46,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     add("--seq-len", type=int, default=16)
     add("--batch-size", type=int, default=1, help="sequences per rank per step")
     add("--steps", type=int, default=4)
-    add("--lr", type=float, default=1e-5)
+    add("--lr", type=float, default=None, help="peak LR (default: lr_for(model), scaled to width x depth)")
     add("--warmup", type=int, default=3, help="steps of linear LR warm-up (Adam's first steps are sign steps)")
     add("--in-memory", action="store_true", help="shards and state in memory (a comparison at small --params)")
     add("--seed", type=int, default=1234)
@@ -83,6 +84,18 @@ def arithmetic(psi: int, world: int, ram: int) -> list[tuple[str, str]]:
     return rows
 
 
+def lr_for(c: GPTConfig) -> float:
+    """Default peak LR: 1e-5 at the 350M preset (28 x 1024), scaled by 1 / (n_embd * n_layer).
+
+    Adam's first steps move every weight by about lr (sign steps), so one step shifts the
+    residual stream by about lr * n_embd * n_layer (fan-in times layers, coherently), while
+    the stream itself starts at the embeddings' scale (std 0.02) whatever the size: a
+    fixed lr that trains 350M overshoots at 1.7B (loss 5.77 -> 10.59 at lr 1e-5, 125M at
+    1e-4 likewise, in memory and on disk alike). Keeping lr * n_embd * n_layer fixed keeps
+    the first steps' relative change the same."""
+    return 1e-5 * (28 * 1024) / (c.n_layer * c.n_embd)
+
+
 def check_disk(path: str, need: int) -> None:
     """Refuse to start if the store's file system lacks ``need`` bytes (plus 10%)."""
     os.makedirs(path, exist_ok=True)
@@ -101,7 +114,7 @@ def build(args: argparse.Namespace, store: DiskStore):
     layer = 12 * config.n_embd ** 2
     attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
            persistence_threshold=4 * config.n_embd, reduce_bucket_size=layer)
-    inner = torch.optim.AdamW(shards(model), lr=args.lr, weight_decay=0.0)
+    inner = torch.optim.AdamW(shards(model), lr=args.lr or lr_for(config), weight_decay=0.0)
     optimizer = inner if args.in_memory else OffloadedOptimizer(inner, store, chunk_bytes=args.chunk_mib << 20)
     warm = max(args.warmup, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
@@ -126,7 +139,8 @@ def line(step: int, total: int, loss: float, wall: float, io: dict, comm: float,
     return (f"[{bar}] {step}/{total} loss {loss:.4f}  step {wall:.1f}s  compute {compute:.1f}s  "
             f"disk read {io['read_s']:.1f}s ({io['read'] / GiB:.1f} GiB)  disk write {io['write_s']:.1f}s "
             f"({io['write'] / GiB:.1f} GiB)  io wait {io['wait']:.1f}s  comm {comm:.1f}s  "
-            f"RSS/rank {' '.join(f'{r / 2**20:.0f}' for r in rss)} MiB  disk {io['used'] / GiB:.1f} GiB/rank")
+            f"RSS/rank {' '.join(f'{r / 2**20:.0f}' for r in rss)} MiB  disk {io['used'] / GiB:.1f} GiB/rank  "
+            f"load {os.getloadavg()[0]:.1f}")
 
 
 def io_delta(store: DiskStore, before) -> dict:
@@ -151,7 +165,10 @@ def main() -> None:
                       max_inflight_bytes=args.inflight_mib << 20)
     if rank == 0:
         where = "partitioned() in memory" if args.in_memory else "partitioned(remote_device=store)"
-        print(f"store: {store.mode}; building {args.params} under {where}", flush=True)
+        print(f"store: {store.mode}; building {args.params} under {where}; AdamW lr "
+              f"{args.lr or lr_for(config_of(args)):.2e} ({max(args.warmup, 1)}-step warm-up), "
+              f"{args.batch_size} x {args.seq_len} tokens per rank, load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
     start = time.perf_counter()
     model, optimizer, schedule = build(args, store)
     built = broadcast_object(time.perf_counter() - start, src=0)
@@ -169,11 +186,16 @@ def main() -> None:
             print(line(step, args.steps, losses[-1], wall, io_delta(store, before), timer.seconds - comm0, rss),
                   flush=True)
     peaks = all_gather_objects(snapshot().peak_rss_bytes)
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # this rank, all its threads (IO included)
+    cpu = all_gather_objects((usage.ru_utime, usage.ru_stime))
     if rank == 0:
         print(report.table([("model", f"{args.params} ({psi / 1e9:.2f} B params), world {world}"),
                             ("loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"),
                             ("peak RSS per rank", ", ".join(f"{p / GiB:.2f} GiB" for p in peaks)),
                             ("store per rank", f"{store.used_bytes / GiB:.1f} GiB ({store.mode})"),
+                            ("CPU time per rank (user + sys)",
+                             ", ".join(f"{u:.0f} + {k:.0f} s" for u, k in cpu)),
+                            ("load average (1, 5, 15 min)", " ".join(f"{x:.1f}" for x in os.getloadavg())),
                             ("total time", report.clock(time.perf_counter() - start))]), flush=True)
     timer.remove()
     store.close()

@@ -63,6 +63,8 @@ class OffloadedOptimizer(OptimizerWrapper):
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        self.grad_scale: Optional[torch.Tensor] = None  # multiplies grads read from the store
+        self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
         self._patch_step_function()
         self._offload_all()
 
@@ -71,6 +73,16 @@ class OffloadedOptimizer(OptimizerWrapper):
     def state(self) -> Any:  # type: ignore[override]
         """The wrapped optimizer's in-memory state (offloaded tensors are absent: ``state_of``)."""
         return self.optimizer.state
+
+    def params_replaced(self) -> None:
+        """Take the wrapped optimizer's params anew (a wrapper such as ``BF16Optimizer`` pointed
+        its groups at fp32 masters); only before any state tensor was offloaded."""
+        if self._placed:
+            raise RuntimeError("OffloadedOptimizer: its params were replaced after optimizer state "
+                               "went to the store; wrap a fresh optimizer")
+        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._offload_all()
 
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The full state of ``p`` (offloaded tensors read back into fresh memory)."""
@@ -113,6 +125,8 @@ class OffloadedOptimizer(OptimizerWrapper):
             reading = self._read(chunks[k + 1]) if k + 1 < len(chunks) else None
             current.finish()
             self._step_only(chunk)
+            for hook in self.after_step:
+                hook(chunk)
             previous, writing = writing, self._write(chunk)
             if previous is not None:
                 previous.finish()
@@ -133,8 +147,13 @@ class OffloadedOptimizer(OptimizerWrapper):
             if parking.has_grad(p):
                 grad, handle = parking.load_grad(p)
                 batch.handles.append(handle)
-                batch.after.append(lambda p=p, grad=grad: setattr(p, "grad", grad))
+                batch.after.append(lambda p=p, grad=grad: self._install_grad(p, grad))
         return batch
+
+    def _install_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.grad_scale is not None:
+            grad.mul_(self.grad_scale.to(grad.device))  # the clip/unscale its wrapper decided
+        p.grad = grad
 
     def _step_only(self, chunk: list[torch.Tensor]) -> None:
         """Step the wrapped optimizer with only ``chunk`` visible in its groups."""

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from parts.offload.store import DiskStore, IOHandle
 
 __all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "save", "is_resident",
-           "version", "accumulate_grad", "load_grad", "has_grad", "clear_grad"]
+           "version", "overwrite", "accumulate_grad", "load_grad", "has_grad", "clear_grad"]
 
 _ATTR = "_parts_parked"
 
@@ -43,11 +43,17 @@ class Parked:
     resident: bool = False
     pending: Optional[IOHandle] = field(default=None, repr=False)  # a read into the storage
     grad_dtype: Optional[torch.dtype] = None  # dtype of the stored grad (None: no grad stored)
+    grad_of: Optional["Parked"] = field(default=None, repr=False)  # whose stored grad is this one's
 
     @property
     def grad_key(self) -> str:
         """The store key of the tensor's gradient."""
         return f"{self.key}/grad"
+
+
+def _grad_record(record: Parked) -> Parked:
+    """The record holding ``record``'s grad: its own, or the one it borrows (``grad_of``)."""
+    return record.grad_of if record.grad_of is not None else record
 
 
 def parked(t: torch.Tensor) -> Optional[Parked]:
@@ -85,8 +91,9 @@ def _install_guard() -> None:
         _guard["handle"] = register_optimizer_step_pre_hook(_refuse_plain_step)
 
 
-def park(t: torch.Tensor, store: DiskStore, key: str) -> Parked:
-    """Write ``t`` (contiguous, CPU) to ``store`` under ``key`` and empty its storage."""
+def park(t: torch.Tensor, store: DiskStore, key: str, grad_of: Optional[torch.Tensor] = None) -> Parked:
+    """Write ``t`` (contiguous, CPU) to ``store`` under ``key`` and empty its storage; with
+    ``grad_of`` (a parked tensor of ``t``'s shape), ``t``'s grad is the one stored for it."""
     _install_guard()
     if parked(t) is not None:
         raise RuntimeError(f"parts.offload: tensor {tuple(t.shape)} is already parked under "
@@ -94,7 +101,8 @@ def park(t: torch.Tensor, store: DiskStore, key: str) -> Parked:
     if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.nbytes:
         raise ValueError(f"parts.offload: park needs a tensor that owns its whole storage "
                          f"(key {key!r}, shape {tuple(t.shape)}); pass a fresh contiguous tensor")
-    record = Parked(store, key, t.nbytes, resident=True)
+    record = Parked(store, key, t.nbytes, resident=True,
+                    grad_of=None if grad_of is None else parked(grad_of))
     t.__dict__[_ATTR] = record
     store.write(key, t).wait()
     drop(t)
@@ -155,9 +163,22 @@ def save(t: torch.Tensor) -> IOHandle:
     return record.store.write(record.key, t)
 
 
+def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:
+    """Give parked ``t`` the ``values`` (cast to its dtype) without reading its old bytes; saved, dropped."""
+    record = parked(t)
+    if record.pending is not None:
+        load(t)
+    t.untyped_storage().resize_(record.nbytes)
+    record.resident = True
+    with torch.no_grad():
+        t.copy_(values)
+    save(t).wait()
+    drop(t)
+
+
 def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True) -> None:
     """Add ``part`` into ``t``'s stored grad (or store it: first grad, or ``accumulate=False``)."""
-    record = parked(t)
+    record = _grad_record(parked(t))
     if accumulate and record.grad_dtype is not None:
         current = torch.empty(t.shape, dtype=record.grad_dtype)
         record.store.read(record.grad_key, current).wait()
@@ -170,12 +191,12 @@ def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True
 def has_grad(t: torch.Tensor) -> bool:
     """True if a gradient of ``t`` is in the store."""
     record = parked(t)
-    return record is not None and record.grad_dtype is not None
+    return record is not None and _grad_record(record).grad_dtype is not None
 
 
 def load_grad(t: torch.Tensor) -> tuple[torch.Tensor, IOHandle]:
     """A fresh tensor and the handle of the read filling it with ``t``'s stored grad."""
-    record = parked(t)
+    record = _grad_record(parked(t))
     grad = torch.empty(t.shape, dtype=record.grad_dtype)
     return grad, record.store.read(record.grad_key, grad)
 
@@ -183,6 +204,7 @@ def load_grad(t: torch.Tensor) -> tuple[torch.Tensor, IOHandle]:
 def clear_grad(t: torch.Tensor) -> None:
     """Forget ``t``'s stored grad."""
     record = parked(t)
+    record = None if record is None else _grad_record(record)
     if record is not None and record.grad_dtype is not None:
         record.store.delete(record.grad_key)
         record.grad_dtype = None

@@ -12,6 +12,7 @@ from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ProcessGroup, resolve_group
 
 from . import _collectives as C
+from . import offloaded
 from . import state_dict as ckpt
 from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
@@ -82,6 +83,7 @@ class BF16Optimizer(OptimizerWrapper):
         self._norm_sharded: list[list[bool]] = []
         self._hooks: list[Any] = []
         self._build(self._names(named_parameters))
+        offloaded.setup(self)  # shards on disk: masters there too (needs OffloadedOptimizer inside)
         self.loss_scaler = loss_scaler
         if loss_scaler is None and self._model_dtype() == torch.float16:
             self.loss_scaler = DynamicLossScaler()
@@ -233,7 +235,7 @@ class BF16Optimizer(OptimizerWrapper):
         return loss
 
     def _sharded_have_grads(self) -> bool:
-        return any(s.grad() is not None for sh in self.sharded_groups for s in sh)
+        return any(s.has_grad() for sh in self.sharded_groups for s in sh)
 
     def _reduce_grads(self) -> None:
         for fg in self.flat_groups:
@@ -247,8 +249,9 @@ class BF16Optimizer(OptimizerWrapper):
         """This rank's real (unpadded) grad elements: partitions and grad shards."""
         out = [fg.part_grad.narrow(0, 0, fg.real_numel()) for fg in self.flat_groups if fg]
         for sharded in self.sharded_groups:
-            out += [s.master.grad.narrow(0, 0, s.real_numel()) for s in sharded
-                    if s.master.grad is not None]
+            out += [s.master.grad.narrow(0, 0, s.real_numel()) if s.master.grad is not None
+                    else offloaded.lazy_grad(s) for s in sharded
+                    if s.master.grad is not None or (s.offloaded and s.has_grad())]
         return out
 
     def _norm_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -258,14 +261,15 @@ class BF16Optimizer(OptimizerWrapper):
         out = [fg.part_grad.narrow(0, lo, n) for fg, ranges in zip(self.flat_groups, self._norm_ranges)
                for lo, n in ranges]
         for sharded, counted in zip(self.sharded_groups, self._norm_sharded):
-            out += [s.master.grad.narrow(0, 0, s.real_numel()) for s, c in zip(sharded, counted)
-                    if c and s.master.grad is not None]
+            out += [s.master.grad.narrow(0, 0, s.real_numel()) if s.master.grad is not None
+                    else offloaded.lazy_grad(s) for s, c in zip(sharded, counted)
+                    if c and (s.master.grad is not None or (s.offloaded and s.has_grad()))]
         return out
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         p = self.norm_type
         local = torch.zeros((), dtype=torch.float32)
-        for g in grads:
+        for g in map(offloaded.materialize, grads):  # stored grads are read one at a time
             if g.numel() == 0:
                 continue
             n = torch.linalg.vector_norm(g, p).to(local.device)
@@ -281,6 +285,7 @@ class BF16Optimizer(OptimizerWrapper):
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
         if scale != 1.0:
             coef = coef / scale
+        grads = offloaded.set_grad_scale(self, grads, coef)
         if float(coef) != 1.0:
             for g in grads:
                 g.mul_(coef.to(g.device))
@@ -307,7 +312,8 @@ class BF16Optimizer(OptimizerWrapper):
                 fg.mark_written()
         for sharded in self.sharded_groups:
             for s in sharded:
-                s.write_back()
+                if not s.offloaded:  # offloaded masters were written back chunk by chunk in the step
+                    s.write_back()
 
     def sync_masters(self) -> list[str]:
         """Re-read the fp32 masters of params written since the last step (names returned).

@@ -33,7 +33,8 @@ from parts.offload import parking
 from parts.offload.store import DiskStore
 
 __all__ = ["store_of", "park_shard", "load_for_send", "after_send", "parked_version", "clear_grad",
-           "accumulate_grad", "rewrite", "read_ahead"]
+           "accumulate_grad", "rewrite", "read_ahead", "park_master", "peek", "overwrite",
+           "has_grad", "read_grad", "drives_parked"]
 
 READ_AHEAD_FACTOR = 2
 """Disk reads reach this many prefetch windows (``prefetch_bucket_size`` elements) ahead."""
@@ -79,6 +80,47 @@ def clear_grad(shard: torch.Tensor) -> None:
     """Forget a parked shard's grad in the store (nothing for a shard in memory)."""
     if parking.parked(shard) is not None:
         parking.clear_grad(shard)
+
+
+def drives_parked(optimizer: Any) -> bool:
+    """True for an optimizer that steps parked tensors (``parts.offload.OffloadedOptimizer``)."""
+    return bool(getattr(optimizer, "drives_parked_tensors", False))
+
+
+def park_master(master: torch.Tensor, shard: torch.Tensor, key: str) -> None:
+    """Put ``BF16Optimizer``'s fp32 master of a parked shard in the shard's store; the
+    master's grad is the shard's stored grad."""
+    parking.park(master, parking.parked(shard).store, key, grad_of=shard)
+
+
+@contextlib.contextmanager
+def peek(t: torch.Tensor) -> Iterator[None]:
+    """Inside, a parked tensor holds its bytes (read only: dropped on exit, not saved)."""
+    if parking.parked(t) is None:
+        yield
+        return
+    parking.load(t)
+    try:
+        yield
+    finally:
+        parking.drop(t)
+
+
+def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (cast to its dtype) into parked ``t`` without reading it first."""
+    parking.overwrite(t, values)
+
+
+def has_grad(t: torch.Tensor) -> bool:
+    """True if parked ``t`` has a grad in the store."""
+    return parking.has_grad(t)
+
+
+def read_grad(t: torch.Tensor) -> torch.Tensor:
+    """Parked ``t``'s stored grad, read into fresh memory."""
+    grad, handle = parking.load_grad(t)
+    handle.wait()
+    return grad
 
 
 @contextlib.contextmanager
