@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "can_swap_storage_data", "swap_storage_data",
            "in_backward", "on_backward_end", "default_torch_function", "incompatible_keys",
            "init_optimizer_hooks", "TENSOR_BASE", "TorchDispatchMode", "dynamo_counters",
-           "counting_backend"]
+           "counting_backend", "storage_less_tensor"]
 
 TENSOR_BASE = torch._C.TensorBase
 """The C base class of ``torch.Tensor`` (the ``__objclass__`` of its methods)."""
@@ -109,3 +109,10 @@ def counting_backend(name: str = "inductor") -> tuple[Callable, list]:
         return run
 
     return backend, calls
+
+
+def storage_less_tensor(cls: type, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An instance of the tensor subclass ``cls`` with ``shape``/``dtype``/``device`` and no storage
+    (``parts.comm.dcp.ShardView``: its data lives in the tensors it points to)."""
+    return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device,
+                                               requires_grad=False)

@@ -14,8 +14,9 @@ the loss tracks fp32 (issue 15). Each block runs inside ``parts.checkpoint.check
 follows a warm-up + cosine schedule. With ``--no-partition`` the replicated fp32 model is cast
 by ``BF16Optimizer(param_dtype=bf16)``, which keeps the full-precision values as its masters. The default data
 is Python source text from the standard library (no download); ``--data FILE`` trains on
-yours. A world-size-free checkpoint is written at the end; ``--resume`` continues from it at
-any ``--nproc-per-node``.
+yours. At the end every rank writes its own shard of the weights and optimizer state into a
+``torch.distributed.checkpoint`` directory (``--out``; no rank gathers the model); ``--resume``
+continues from it at any ``--nproc-per-node``, and FSDP2 (or ``dcp_to_torch_save``) reads it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import time
 
 import torch
@@ -31,13 +33,14 @@ import torch.distributed as dist
 import report
 from chardata import VOCAB_SIZE, batch, decode, encode, load_splits
 from gpt_model import GPT, GPTConfig
-from parts import io as pio
 from parts.checkpoint import checkpoint
 from parts.comm import all_gather_objects, broadcast_object
+from parts.comm import dcp
 from parts.observe import set_mmap_threshold, snapshot
 from parts.optim import BF16Optimizer
-from parts.partition import (MixedPrecision, attach, full_state_dict, is_partitioned,
-                             load_full_state_dict, meta, partitioned)
+from parts.partition import (MixedPrecision, attach, is_partitioned, load_sharded_optimizer_state_dict,
+                             load_sharded_state_dict, meta, partitioned, sharded_optimizer_state_dict,
+                             sharded_state_dict)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -65,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     add("--prompt", default="    def __init__(self", help="text the sample continues")
     add("--temperature", type=float, default=0.6, help="sampling temperature of the sample")
     add("--seed", type=int, default=1234)
-    add("--out", default="checkpoints/gpt.ckpt", help="checkpoint file (model + optimizer)")
+    add("--out", default="checkpoints/gpt", help="checkpoint directory (torch.distributed.checkpoint)")
     add("--resume", action="store_true", help="continue from --out (any world size)")
     add("--plot", default="loss.png", help="loss curve PNG (needs matplotlib)")
     add("--no-partition", dest="partition", action="store_false", help="replicated weights")
@@ -127,20 +130,34 @@ def evaluate(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namesp
     return sum(losses) / len(losses)
 
 
+def checkpoint_state(model, optimizer, schedule, step: int) -> dict:
+    """What a checkpoint holds: views of this rank's shards (weights, optimizer) and replicated values."""
+    return {"model": sharded_state_dict(model), "optimizer": sharded_optimizer_state_dict(model, optimizer),
+            "schedule": schedule.state_dict(), "step": step, "world_size": dist.get_world_size()}
+
+
 def save(path: str, model, optimizer, schedule, step: int) -> None:
-    """World-size-free checkpoint: full weights + consolidated optimizer state, written by rank 0."""
-    state = {"model": full_state_dict(model), "optimizer": optimizer.consolidated_state_dict(),
-             "schedule": schedule.state_dict(), "step": step}
+    """Every rank writes its shards into ``path`` (a DCP directory), replacing it only once complete."""
+    saving, old = f"{path}.saving", f"{path}.old"
     if dist.get_rank() == 0:
-        pio.save(state, path, world_size=dist.get_world_size(), step=step)
+        shutil.rmtree(saving, ignore_errors=True)
+    dist.barrier()
+    dcp.save(checkpoint_state(model, optimizer, schedule, step), checkpoint_id=saving)  # ends agreed
+    if dist.get_rank() == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(saving, path)
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 
 def resume(path: str, model, optimizer, schedule) -> int:
     """Load a checkpoint written at any world size; return the step it was taken at."""
-    state = pio.load(path)
-    load_full_state_dict(model, state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    state = checkpoint_state(model, optimizer, schedule, 0)
+    dcp.load(state, checkpoint_id=path)
+    load_sharded_state_dict(model, state["model"])
+    load_sharded_optimizer_state_dict(model, optimizer, state["optimizer"])
     schedule.load_state_dict(state["schedule"])
     return state["step"]
 

@@ -40,6 +40,7 @@ class Case:
     args: tuple[str, ...]
     check: Callable[[str, Path], None]
     nproc: int = 2
+    no_numpy: bool = False  # run with numpy unimportable (tests/no_numpy_run.py), as in a fresh venv
 
 
 # ------------------------------------------------------------------ checks
@@ -119,16 +120,22 @@ def _plain_gpt(**config):
     return GPT(GPTConfig(**config))
 
 
+def read_checkpoint(directory: Path) -> dict:
+    """A train_gpt DCP checkpoint directory as one dict (dcp_to_torch_save, as the README says)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    single = directory.parent / f"{directory.name}.pt"
+    dcp_to_torch_save(directory, single)
+    return torch.load(single, weights_only=True)
+
+
 def check_train_gpt(out: str, workdir: Path) -> None:
-    import parts.io as pio
     (first, last), = rows(r"^train loss\s+([\d.]+) -> ([\d.]+)", out)
     assert float(last) < float(first), out
     (gathered,), = rows(r"^all-gathered per step\s+([\d.]+) MiB", out)
     assert float(gathered) > 0, out  # the coordinator moved weights (persistence does not cover all)
     assert "--- sample ---" in out and out.count("validation loss") >= 2
-    manifest = pio.read_manifest(workdir / "gpt.ckpt")
-    assert (manifest["world_size"], manifest["step"]) == (2, 6)
-    state = pio.load(workdir / "gpt.ckpt")
+    state = read_checkpoint(workdir / "gpt.ckpt")
+    assert (state["world_size"], state["step"]) == (2, 6)
     _plain_gpt(block_size=32, n_layer=2, n_embd=64).load_state_dict(state["model"])  # strict
 
 
@@ -147,7 +154,7 @@ CASES = [
     Case("train_gpt_2d", "train_gpt_2d.py",
          ("--steps", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--fp32"),
          check_train_gpt_2d, nproc=4),
-    Case("train_gpt", "train_gpt.py", TRAIN_GPT_TINY, check_train_gpt),
+    Case("train_gpt", "train_gpt.py", TRAIN_GPT_TINY, check_train_gpt, no_numpy=True),
     Case("memory_probe", "memory_probe.py",
          ("--nlayers", "6", "--hidden-dim", "256", "--dtype", "fp32", "--forwards", "1"), check_memory_probe),
     Case("zero1_bf16", "zero1_bf16.py", ("--steps", "6"), check_zero1_bf16),
@@ -203,7 +210,8 @@ def launch(case: Case, workdir: Path, nproc: int | None = None, rendezvous: tupl
     """
     args = [a.replace("{workdir}", str(shared or workdir)) for a in case.args]
     placement = rendezvous or ("--standalone", "--nproc-per-node", str(nproc or case.nproc))
-    command = [sys.executable, "-m", "torch.distributed.run", *placement, str(RECIPES / case.script), *args]
+    script = [str(ROOT / "tests" / "no_numpy_run.py")] if case.no_numpy else []
+    command = [sys.executable, "-m", "torch.distributed.run", *placement, *script, str(RECIPES / case.script), *args]
     with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
         proc = subprocess.Popen(command, cwd=workdir, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=recipe_env())
@@ -265,7 +273,6 @@ def summary_rows(out: str) -> dict[str, str]:
 
 def test_train_gpt_on_two_machines_equals_one(launched) -> None:
     """torchrun --nnodes 2 (two launchers, c10d rendezvous) trains exactly as --standalone does."""
-    import parts.io as pio
     if "train_gpt" not in launched:
         pytest.skip("the train_gpt case was not selected")
     single = launched["train_gpt"]
@@ -274,23 +281,27 @@ def test_train_gpt_on_two_machines_equals_one(launched) -> None:
     assert summary_rows(nodes_out) == summary_rows(single_out) and summary_rows(single_out), nodes_out
     shared = launched["train_gpt_node0"].workdir.parent
     check_train_gpt(nodes_out, shared)
-    ours, theirs = pio.load(shared / "gpt.ckpt"), pio.load(single.workdir / "gpt.ckpt")
+    ours, theirs = read_checkpoint(shared / "gpt.ckpt"), read_checkpoint(single.workdir / "gpt.ckpt")
     assert ours["model"].keys() == theirs["model"].keys()
     assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in ours["model"])
     assert ours["step"] == theirs["step"] == 6
 
 
 def test_train_gpt_resumes_at_another_world_size(launched, tmp_path) -> None:
-    """The world-2 checkpoint of the train_gpt case continues at world 3 from step 6."""
-    import parts.io as pio
+    """The world-2 DCP checkpoint of the train_gpt case continues at world 3 from step 6 (numpy
+    unimportable in both runs, as in a fresh venv: DCP's plans go through parts.comm)."""
     first = launched.get("train_gpt")
     if first is None:
         pytest.skip("the train_gpt case was not selected")
     first.finish()
-    shutil.copy(first.workdir / "gpt.ckpt", tmp_path / "gpt.ckpt")
+    shutil.copytree(first.workdir / "gpt.ckpt", tmp_path / "gpt.ckpt")
     resume = Case("train_gpt_resume", "train_gpt.py",
-                  ("--resume", *TRAIN_GPT_TINY[:1], "2", *TRAIN_GPT_TINY[2:]), check_train_gpt)
+                  ("--resume", *TRAIN_GPT_TINY[:1], "2", *TRAIN_GPT_TINY[2:]), check_train_gpt, no_numpy=True)
     out = launch(resume, tmp_path, nproc=3).finish()
     assert "steps 7..8" in out, out
-    manifest = pio.read_manifest(tmp_path / "gpt.ckpt")
-    assert (manifest["world_size"], manifest["step"]) == (3, 8)
+    stderr = (tmp_path / "stderr").read_text()
+    assert not re.search(r"Traceback|\w+Warning: (?!Failed to initialize NumPy)", stderr), stderr
+    before, after = read_checkpoint(first.workdir / "gpt.ckpt"), read_checkpoint(tmp_path / "gpt.ckpt")
+    assert (after["world_size"], after["step"]) == (3, 8)
+    assert after["optimizer"]["state"].keys() == before["optimizer"]["state"].keys()
+    assert not torch.equal(after["model"]["blocks.0.fc.weight"], before["model"]["blocks.0.fc.weight"])

@@ -357,6 +357,16 @@ class BF16Optimizer(OptimizerWrapper):
         """This rank's part: options, fp32 master, per-element state, layout and param metadata."""
         return ckpt.rank_state_dict(self)
 
+    def sharded_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Views for ``torch.distributed.checkpoint`` keyed by ``model``'s FQNs (parts.optim.dcp_state)."""
+        from . import dcp_state  # on first use: torch.distributed.checkpoint takes seconds to import
+        return dcp_state.sharded_state_dict(self, model)
+
+    def load_sharded_state_dict(self, model: torch.nn.Module, state: dict[str, Any]) -> None:
+        """Install what ``dcp.load`` filled into ``sharded_state_dict(model)``, at any world size."""
+        from . import dcp_state
+        dcp_state.load_sharded_state_dict(self, model, state)
+
     def consolidated_state_dict(self) -> Optional[dict[str, Any]]:
         """World-size-free full state on rank 0 (None elsewhere); a collective."""
         return ckpt.consolidated_state_dict(self)

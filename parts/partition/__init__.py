@@ -4,7 +4,8 @@ Build a model under ``partitioned()`` (or call ``partition_module``) and every p
 keeps only this rank's shard; ``gather``/``release``/``gathered`` bring full tensors in
 and out, ``reduce_scatter_grads`` turns full grads into fp32 grad shards, ``shards`` hands
 the shards to any torch optimizer, ``full_state_dict``/``load_full_state_dict`` move
-consolidated weights.
+consolidated weights; ``sharded_state_dict``/``sharded_optimizer_state_dict`` (and their
+``load_`` twins) are per-rank views for ``torch.distributed.checkpoint``, at any world size.
 
 Layers: ``core`` (records, gather, grads, sharding, state dicts), ``construction``
 (``partitioned``, ``partition_module``) and ``coordinator`` (``attach``), on ``parts.comm``
@@ -37,6 +38,9 @@ from parts.partition.core.state_dict import full_state_dict, load_full_state_dic
 from parts.partition.core.storage_pool import StoragePool
 from parts.partition.interop import clip_grad_norm_, grad_norm, load_pretrained, num_parameters
 from parts.partition.coordinator.compiled import compile_blocks, uncompile_blocks
+from parts.partition.interop.sharded_optim import (load_sharded_optimizer_state_dict,
+                                                   sharded_optimizer_state_dict)
+from parts.partition.interop.sharded_state import load_sharded_state_dict, sharded_state_dict
 from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, RankDivergence, attach,
                                          detach, register_external_parameter)
 
@@ -47,6 +51,8 @@ __all__ = [
     "GatherHandle", "gather", "release", "gathered", "StoragePool",
     "ReduceHandle", "reduce_scatter_grads", "shards",
     "full_state_dict", "load_full_state_dict",
+    "sharded_state_dict", "load_sharded_state_dict",
+    "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict",
     "CommCounter", "comm_counter",
     "FetchCoordinator", "attach", "detach", "register_external_parameter",
     "RankDivergence", "CoordinatorStats", "MixedPrecision",

@@ -1,0 +1,174 @@
+"""Checkpoint save + load: sharded DCP (every rank its own shard) vs full_state_dict + parts.io.
+
+    python benchmarks/bench_checkpoint_dcp.py                              # 25.4M-param GPT, world 2
+    python benchmarks/bench_checkpoint_dcp.py --n-layer 20 --n-embd 2048   # 1.0B params, built sharded
+
+The GPT of recipes/gpt_model.py is built under ``partitioned()`` (fp32 shards, no rank ever
+holds the whole model) in fresh ``--world-size`` gloo processes. Then, model weights only,
+each method saves and loads back twice (the first round warms imports and thread pools, the
+second is reported): **dcp** = ``sharded_state_dict`` + ``parts.comm.dcp.save`` / ``load`` +
+``load_sharded_state_dict``; **full** = ``full_state_dict`` (gathers on rank 0) +
+``parts.io.save`` on rank 0 / ``parts.io.load`` on rank 0 + ``load_full_state_dict``.
+Per rank: wall time, CPU time (user + sys of the process, load-independent) and RSS growth
+over the RSS before the operation (sampled every millisecond). Loads are checked bitwise
+against the saved weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+from gpt_model import GPT, GPTConfig  # noqa: E402
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(fn) -> dict:
+    """Wall s, CPU s and peak RSS growth (bytes) of ``fn()`` on this rank, after a barrier."""
+    dist.barrier()
+    base, peak, done = _rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    wall, cpu = time.perf_counter(), _cpu()
+    try:
+        fn()
+        dist.barrier()
+    finally:
+        done.set()
+        sampler.join()
+    return {"wall": time.perf_counter() - wall, "cpu": _cpu() - cpu, "rss": max(peak[0], _rss()) - base}
+
+
+def dcp_ops(model, path: str) -> tuple:
+    """(save, load) through DCP, every rank its own shard."""
+    from parts.comm import dcp
+    from parts.partition import load_sharded_state_dict, sharded_state_dict
+
+    def save() -> None:
+        dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path)
+
+    def load() -> None:
+        state = {"model": sharded_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        load_sharded_state_dict(model, state["model"])
+    return save, load
+
+
+def full_ops(model, path: str) -> tuple:
+    """(save, load) of one consolidated file on rank 0."""
+    from parts import io as pio
+    from parts.partition import full_state_dict, load_full_state_dict
+
+    def save() -> None:
+        state = full_state_dict(model)
+        if dist.get_rank() == 0:
+            pio.save(state, path)
+        del state
+
+    def load() -> None:
+        state = pio.load(path) if dist.get_rank() == 0 else {}
+        load_full_state_dict(model, state)
+        del state
+    return save, load
+
+
+def _shards(model) -> list[torch.Tensor]:
+    from parts.partition import meta
+    return [meta(p).shard.clone() for p in model.parameters()]
+
+
+def _worker(rank: int, world: int, port: int, config: GPTConfig, scratch: str, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from parts.observe import set_mmap_threshold
+    from parts.partition import meta, partitioned
+    set_mmap_threshold(1 << 20)  # freed buffers leave RSS at once: growth is what is held
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    with partitioned():
+        model = GPT(config)
+    if rank == 0:
+        print(f"built in {time.perf_counter() - started:.0f} s", flush=True)
+    expected = _shards(model)
+    rows = {}
+    for method, ops in (("dcp", dcp_ops), ("full", full_ops)):
+        for attempt in range(2):
+            path = os.path.join(scratch, f"{method}-{attempt}")
+            save, load = ops(model, path)
+            saved = measure(save)
+            with torch.no_grad():
+                for p in model.parameters():  # the load must bring the values back
+                    meta(p).shard.add_(1.0)
+            rows[method] = (saved, measure(load))
+            if not all(torch.equal(a, meta(p).shard) for a, p in zip(expected, model.parameters())):
+                raise RuntimeError(f"{method}: load did not restore the saved weights on rank {rank}")
+            if rank == 0:
+                print(f"{method} round {attempt + 1} done", flush=True)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    results[rank] = rows
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--n-embd", type=int, default=512)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    args = parser.parse_args()
+    config = GPTConfig(vocab_size=128, block_size=128, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
+    params = 12 * args.n_layer * args.n_embd ** 2 + 13 * args.n_layer * args.n_embd + 256 * args.n_embd
+    print(f"GPT ~{params / 1e6:.1f}M params ({params * 4 / 2**20:,.0f} MiB fp32), world {args.world_size}")
+    scratch = args.dir or tempfile.mkdtemp(prefix="bench-dcp-")
+    os.makedirs(scratch, exist_ok=True)
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(args.world_size, _free_port(), config, scratch, results), nprocs=args.world_size)
+    print(f"\n{'method':<6} {'op':<5} " + "  ".join(f"rank {r}: wall s / CPU s / RSS +MiB" for r in range(args.world_size)))
+    for method in ("dcp", "full"):
+        for op, index in (("save", 0), ("load", 1)):
+            cells = [results[r][method][index] for r in range(args.world_size)]
+            print(f"{method:<6} {op:<5} " + "  ".join(
+                f"{c['wall']:>13.2f} / {c['cpu']:>5.2f} / {c['rss'] / 2**20:>8.1f}" for c in cells))
+    if not args.dir:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""``torch.distributed.checkpoint`` (DCP) for parts: shard views it can save and load, and
+``save``/``load`` that coordinate ranks without numpy. The one module that imports DCP.
+
+``ShardView(shape, segments)`` is a tensor of the *global* ``shape`` with no storage: it
+points at the pieces of it this rank holds, ``segments`` of ``(flat_start, 1-D tensor)``
+(a flat shard of a parameter is one segment). DCP sees each segment as at most
+``2 * ndim - 1`` row-aligned boxes (``parts.base.boxes``), each a view of the segment:
+saving writes the views, loading copies straight into them, nothing is copied on the way
+and no rank ever holds another rank's piece. Any DCP planner and storage writer/reader
+works on it (it speaks DCP's checkpointable protocol, as DTensor does); any other op on it
+raises, naming it.
+
+``save``/``load`` run DCP's own steps (planner, storage writer/reader, metadata: the files
+are exactly what ``dcp.save`` writes and ``dcp.load`` reads, and the other way round), but
+exchange the plans through ``parts.comm.objects`` instead of torch's object collectives,
+which need numpy (absent in a fresh environment). Errors on any rank raise on every rank,
+naming the ranks. ``dcp.save``/``dcp.load`` themselves work on the same state dicts where
+numpy is installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
+
+from parts._compat import default_torch_function, storage_less_tensor
+from parts.base.boxes import flat_boxes
+from parts.comm.group import GroupArg, group_info
+from parts.comm.objects import all_gather_objects, broadcast_object
+
+__all__ = ["ShardView", "save", "load", "CheckpointError"]
+
+
+class ShardView(torch.Tensor):
+    """A storage-less tensor of global ``shape`` whose pieces on this rank are ``segments`` (for DCP)."""
+
+    _boxes: dict
+    _segments: tuple
+    _label: str
+    holder: Optional[torch.Tensor]  # the tensor the segments are views of, if the maker says
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], segments: Sequence[tuple[int, torch.Tensor]], *,
+                dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
+                name: str = "", holder: Optional[torch.Tensor] = None) -> "ShardView":
+        segments = tuple((int(s), t) for s, t in segments)
+        dtype = dtype or (segments[0][1].dtype if segments else torch.float32)
+        device = device or (segments[0][1].device if segments else torch.device("cpu"))
+        view = storage_less_tensor(cls, shape, dtype, device)
+        view._segments, view._label, view.holder = segments, name, holder
+        view._boxes = _boxes_of(tuple(shape), segments, name)
+        return view
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """Plain dispatch, no subclass wrapping (ops reach ``__torch_dispatch__``)."""
+        return default_torch_function(func, types, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        """Only ``detach`` (what DCP does to state-dict values); any other op raises."""
+        if getattr(func, "overloadpacket", None) is torch.ops.aten.detach and isinstance(args[0], ShardView):
+            return args[0].rebuilt()
+        view = next((a for a in args if isinstance(a, ShardView)), None)
+        label = f" of {view._label!r}" if view is not None and view._label else ""
+        raise TypeError(f"a ShardView{label} is a torch.distributed.checkpoint view of this rank's shard, "
+                        f"not data: {func} is not supported on it (load it with dcp.load, then "
+                        f"parts.partition.load_sharded_state_dict)")
+
+    def rebuilt(self) -> "ShardView":
+        """A new ShardView over the same segments."""
+        return ShardView(self.shape, self._segments, dtype=self.dtype, device=self.device, name=self._label,
+                         holder=self.holder)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        held = sum(t.numel() for _, t in self._segments)
+        return f"ShardView({self._label!r}, shape={tuple(self.shape)}, {self.dtype}, {held} elements here, " \
+               f"{len(self._boxes)} boxes)"
+
+    def pieces(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """``(offsets, view)`` of every box this rank holds."""
+        return list(self._boxes.items())
+
+    @property
+    def segments(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        """``(flat_start, 1-D tensor)`` of every piece of the global tensor this rank holds."""
+        return self._segments
+
+    # ------------------------------------------------ DCP's checkpointable protocol (as DTensor)
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        """One SHARD write item per box."""
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape),
+                              properties=TensorProperties.create_from_tensor(view), size=self.shape))
+                for off, view in self._boxes.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """The boxes this rank holds (what it reads on load)."""
+        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape) for off, view in self._boxes.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        """The view of the box at ``index.offset``."""
+        view = self._boxes.get(tuple(index.offset) if index.offset is not None else None)
+        if view is None:
+            raise ValueError(f"ShardView {self._label!r}: this rank holds no box at offset {index.offset} "
+                             f"(it holds {list(self._boxes)})")
+        return view
+
+
+def _boxes_of(shape: tuple, segments: tuple, name: str) -> dict:
+    """Offsets -> view of every box of every segment."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    boxes: dict = {}
+    for start, flat in segments:
+        if flat.dim() != 1:
+            raise ValueError(f"ShardView {name!r}: a segment must be a 1-D tensor, got shape {tuple(flat.shape)}")
+        if numel == 0:  # an empty tensor: one empty box, so the key exists in the checkpoint
+            boxes[(0,) * len(shape)] = flat.narrow(0, 0, 0).view(shape)
+            continue
+        for box in flat_boxes(shape, start, start + flat.numel()):
+            boxes[box.offsets] = flat.narrow(0, box.flat_start - start, box.numel).view(box.sizes)
+    return boxes
+
+
+# ------------------------------------------------------------------ coordination
+class CheckpointError(RuntimeError):
+    """A DCP step failed on some ranks; ``failures`` maps each such rank to its traceback text."""
+
+    def __init__(self, step: str, failures: dict[int, str]) -> None:
+        self.step, self.failures = step, failures
+        lines = "\n".join(f"--- rank {r}:\n{text}" for r, text in sorted(failures.items()))
+        super().__init__(f"checkpoint {step} failed on rank(s) {sorted(failures)}:\n{lines}")
+
+
+class _Ranks:
+    """The group's rank, and DCP's central steps (rank 0 reduces, everyone gets the result)."""
+
+    def __init__(self, group: GroupArg) -> None:
+        info = group_info(group, "parts.comm.dcp")
+        self.info, self.rank, self.world = info, info.rank, info.world_size
+        self.is_coordinator = self.rank == 0
+
+    def _raise_failures(self, step: str, results: list) -> None:
+        failures = {r: res[1] for r, res in enumerate(results) if isinstance(res, tuple) and res and res[0] is _FAIL}
+        if failures:
+            raise CheckpointError(step, failures)
+
+    def central(self, step: str, local: Callable[[], Any], reduce: Callable[[list], Any]) -> Any:
+        """``reduce`` (on rank 0) of every rank's ``local()``, broadcast to every rank."""
+        mine = _attempt(local)
+        every = all_gather_objects(mine, self.info.group)
+        self._raise_failures(step, every)
+        result = _attempt(lambda: reduce(every)) if self.is_coordinator else None
+        result = broadcast_object(result, 0, self.info.group)
+        self._raise_failures(step, [result])
+        return result
+
+
+_FAIL = "__parts_dcp_failure__"
+
+
+def _attempt(fn: Callable[[], Any]) -> Any:
+    """``fn()``, or ``(_FAIL, traceback text)`` if it raised."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001  every rank must hear of it, not hang in the next collective
+        return (_FAIL, traceback.format_exc())
+
+
+def _accepts_kwargs(method: Callable) -> bool:
+    return "kwargs" in inspect.signature(method).parameters
+
+
+def save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
+         storage_writer: Optional[dcp.StorageWriter] = None, planner: Optional[dcp.SavePlanner] = None,
+         group: GroupArg = None) -> dcp.Metadata:
+    """``dcp.save`` without numpy: the same checkpoint, plans exchanged through ``parts.comm``."""
+    ranks = _Ranks(group)
+    writer = _writer(storage_writer, checkpoint_id)
+    planner = planner or dcp.DefaultSavePlanner()
+    plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+    metadata: list = []
+
+    def local_plan() -> Any:
+        planner.set_up_planner(plain, writer.storage_meta(), ranks.is_coordinator)
+        if _accepts_kwargs(writer.set_up_storage_writer):
+            writer.set_up_storage_writer(ranks.is_coordinator, rank=ranks.rank, use_collectives=True)
+        else:
+            writer.set_up_storage_writer(ranks.is_coordinator)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_plan(plans: list) -> list:
+        plans, meta = planner.create_global_plan(plans)
+        metadata.append(meta)
+        return writer.prepare_global_plan(plans)
+
+    plans = ranks.central("plan", local_plan, global_plan)
+
+    def write() -> Any:
+        futures = writer.write_data(planner.finish_plan(plans[ranks.rank]), planner)
+        futures.wait()
+        return futures.value()
+
+    def finish(results: list) -> Any:
+        writer.finish(metadata=metadata[0], results=results)
+        return metadata[0]
+
+    return ranks.central("write", write, finish)
+
+
+def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
+         storage_reader: Optional[dcp.StorageReader] = None, planner: Optional[dcp.LoadPlanner] = None,
+         group: GroupArg = None) -> None:
+    """``dcp.load`` without numpy: tensors (ShardViews too) are filled in place, other values replaced."""
+    ranks = _Ranks(group)
+    reader = _reader(storage_reader, checkpoint_id)
+    planner = planner or dcp.DefaultLoadPlanner()
+    keys = sorted(state_dict)
+    plain = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]) for k in keys}
+
+    def local_plan() -> Any:
+        metadata = reader.read_metadata()
+        planner.set_up_planner(plain, metadata, ranks.is_coordinator)
+        if _accepts_kwargs(reader.set_up_storage_reader):
+            reader.set_up_storage_reader(metadata, ranks.is_coordinator, rank=ranks.rank, use_collectives=True)
+        else:
+            reader.set_up_storage_reader(metadata, ranks.is_coordinator)
+        return reader.prepare_local_plan(planner.create_local_plan())
+
+    def global_plan(plans: list) -> list:
+        return reader.prepare_global_plan(planner.create_global_plan(plans))
+
+    plans = ranks.central("load plan", local_plan, global_plan)
+
+    def read() -> None:
+        reader.read_data(planner.finish_plan(plans[ranks.rank]), planner).wait()
+
+    ranks.central("read", read, lambda results: None)
+    for k in keys:
+        if isinstance(state_dict[k], Stateful):
+            state_dict[k].load_state_dict(plain[k])
+        else:
+            state_dict[k] = plain[k]
+
+
+def _writer(writer: Optional[dcp.StorageWriter], checkpoint_id: Any) -> dcp.StorageWriter:
+    if writer is None:
+        if checkpoint_id is None:
+            raise ValueError("parts.comm.dcp.save: give checkpoint_id (a directory) or a storage_writer")
+        return dcp.FileSystemWriter(checkpoint_id)
+    if checkpoint_id is not None:
+        writer.reset(checkpoint_id)
+    return writer
+
+
+def _reader(reader: Optional[dcp.StorageReader], checkpoint_id: Any) -> dcp.StorageReader:
+    if reader is None:
+        if checkpoint_id is None:
+            raise ValueError("parts.comm.dcp.load: give checkpoint_id (a directory) or a storage_reader")
+        return dcp.FileSystemReader(checkpoint_id)
+    if checkpoint_id is not None:
+        reader.reset(checkpoint_id)
+    return reader

@@ -1,0 +1,156 @@
+"""Sharded model state dicts for ``torch.distributed.checkpoint`` (DCP), at any world size.
+
+``sharded_state_dict(model)`` has the keys of ``model.state_dict()``; a sharded parameter's
+value is a ``parts.comm.dcp.ShardView``: the global shape, and this rank's real (unpadded)
+shard elements as row-aligned boxes that are views of the shard itself. Buffers and
+unsharded parameters are the module's own tensors (DCP writes a replicated value once).
+``dcp.save`` (or ``parts.comm.dcp.save`` where numpy is absent) writes one file per rank;
+``dcp.load`` of the same dict at any world size, FSDP2's included, copies every saved piece
+straight into the shards it overlaps, and ``load_sharded_state_dict`` makes the model use
+what was loaded (full tensors of gathered parameters are fetched again). The keys and
+the global shapes are those of FSDP2's ``get_model_state_dict``: checkpoints go both ways.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from parts._compat import incompatible_keys
+from parts.partition.core import points
+from parts.partition.core.gather import gather
+from parts.partition.core.param import ParamMeta, ParamStatus, internal, is_partitioned, meta, metas_sorted
+
+__all__ = ["sharded_state_dict", "load_sharded_state_dict", "shard_view", "real_shard"]
+
+
+def _dcp():
+    """``parts.comm.dcp``, imported on first use (torch.distributed.checkpoint takes seconds to import)."""
+    from parts.comm import dcp
+    return dcp
+
+
+def real_shard(m: ParamMeta, tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """``(flat start, the real elements of the shard-sized 1-D tensor)`` this rank holds of ``m``."""
+    start, stop = m.layout.range(m.rank)
+    return start, tensor.reshape(-1).narrow(0, 0, stop - start)
+
+
+def shard_view(m: ParamMeta, tensor: torch.Tensor, name: str) -> Any:
+    """A ShardView of the global shape of ``m`` over this rank's part of ``tensor`` (shard-sized)."""
+    if tensor.numel() != m.layout.shard_numel:
+        raise ValueError(f"{name}: expected {m.layout.shard_numel} elements (the shard of {m.describe()}) "
+                         f"on rank {m.rank}, got {tensor.numel()}")
+    return _dcp().ShardView(m.shape, [real_shard(m, tensor)], dtype=tensor.dtype, device=tensor.device,
+                            name=name, holder=tensor)
+
+
+def _check_module(module: Any, what: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
+
+
+def _refuse_parked(m: ParamMeta, what: str) -> None:
+    from parts.partition.core import disk
+    if disk.parked_version(m.shard) is not None:
+        raise NotImplementedError(f"{what}: {m.describe()} is a shard on disk (partitioned(remote_device="
+                                  f"DiskStore(...))); sharded DCP checkpoints of disk shards are not "
+                                  f"supported yet: use full_state_dict / load_full_state_dict")
+
+
+@internal
+def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
+    """Every entry of ``model.state_dict()``, sharded parameters as DCP views of this rank's shard."""
+    _check_module(model, "sharded_state_dict")
+    out: dict[str, Any] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if is_partitioned(value):
+            _refuse_parked(meta(value), "sharded_state_dict")
+            out[key] = shard_view(meta(value), meta(value).shard, key)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach()
+        else:
+            out[key] = value
+    return out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() == b.numel() and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
+
+
+def _install_param(key: str, p: nn.Parameter, value: Any) -> None:
+    """Make ``p``'s shard hold ``value`` (a ShardView DCP filled, or a full tensor)."""
+    m = meta(p)
+    start, mine = real_shard(m, m.shard)
+    dcp = _dcp()
+    if isinstance(value, dcp.ShardView):
+        if tuple(value.shape) != tuple(m.shape):
+            raise ValueError(f"load_sharded_state_dict: '{key}' is a view of shape {tuple(value.shape)}, "
+                             f"the model's {m.describe()}")
+        for s, seg in value.segments:
+            if s != start or not _same_memory(seg, mine):
+                with torch.no_grad():
+                    _copy_overlap(mine, start, seg, s)
+        return
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(m.shape):
+        raise ValueError(f"load_sharded_state_dict: '{key}' should be a ShardView from sharded_state_dict "
+                         f"or a tensor of shape {tuple(m.shape)}, got {type(value).__name__} "
+                         f"{tuple(getattr(value, 'shape', ()))}")
+    with torch.no_grad():
+        mine.copy_(value.detach().reshape(-1).narrow(0, start, mine.numel()))
+
+
+def _copy_overlap(dst: torch.Tensor, dst_start: int, src: torch.Tensor, src_start: int) -> None:
+    """Copy the flat overlap of ``src`` (at ``src_start``) into ``dst`` (at ``dst_start``)."""
+    lo, hi = max(dst_start, src_start), min(dst_start + dst.numel(), src_start + src.numel())
+    if hi > lo:
+        dst.narrow(0, lo - dst_start, hi - lo).copy_(src.narrow(0, lo - src_start, hi - lo))
+
+
+def _install_tensor(key: str, target: torch.Tensor, value: Any) -> None:
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+        raise ValueError(f"load_sharded_state_dict: '{key}' should be a tensor of shape {tuple(target.shape)}, "
+                         f"got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
+    if not _same_memory(value, target):
+        with torch.no_grad():
+            target.copy_(value)
+
+
+@internal
+def load_sharded_state_dict(model: nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
+    """Install what ``dcp.load`` filled into ``sharded_state_dict(model)`` (or full tensors per key);
+    returns the missing/unexpected keys, raises on them when ``strict``."""
+    _check_module(model, "load_sharded_state_dict")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"load_sharded_state_dict: state must be a mapping, got {type(state).__name__}")
+    own = model.state_dict(keep_vars=True)
+    missing = [k for k, v in own.items() if isinstance(v, torch.Tensor) and k not in state]
+    unexpected = [k for k in state if k not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_sharded_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    partitioned = [v for v in own.values() if is_partitioned(v)]
+    points.announce(partitioned, "load_sharded_state_dict")
+    for key, target in own.items():
+        if key not in state or not isinstance(target, torch.Tensor):
+            continue
+        if is_partitioned(target):
+            _refuse_parked(meta(target), "load_sharded_state_dict")
+            _install_param(key, target, state[key])
+        else:
+            _install_tensor(key, target.detach(), state[key])
+    _refetch_stale(partitioned)
+    return incompatible_keys(missing, unexpected)
+
+
+def _refetch_stale(params: list) -> None:
+    """Gather again the parameters that stayed gathered while their shards were loaded (all of
+    them: a rank whose shard is only padding loaded nothing, yet must join the collective)."""
+    stale = [(p, m) for p, m in metas_sorted(params) if m.status is ParamStatus.AVAILABLE]
+    for _, m in stale:
+        m.full_version = None  # the full tensor no longer matches the shard: is_stale is True
+    for compute in (False, True):
+        batch = [p for p, m in stale if (m.full_dtype not in (None, m.dtype)) == compute]
+        if batch:
+            gather(batch, compute=compute)
