@@ -70,7 +70,7 @@ class ShardView(torch.Tensor):
             return args[0].rebuilt()
         view = next((a for a in args if isinstance(a, ShardView)), None)
         label = f" of {view._label!r}" if view is not None and view._label else ""
-        raise TypeError(f"a ShardView{label} is a torch.distributed.checkpoint view of this rank's shard, "
+        raise RuntimeError(f"a ShardView{label} is a torch.distributed.checkpoint view of this rank's shard, "
                         f"not data: {func} is not supported on it (load it with dcp.load, then "
                         f"parts.partition.load_sharded_state_dict)")
 

@@ -59,7 +59,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a stateless optimizer its state: one step with lr 0 on zero grads (weights unchanged)."""
     if any(optimizer.state.get(p) for p in _params_of(optimizer)):
         return
-    params = [p for p in _params_of(optimizer) if p.requires_grad]
+    params = _params_of(optimizer)  # shards need not require grad: their .grad is set, not computed
     if any(p.grad is not None for p in params):
         raise RuntimeError("sharded_optimizer_state_dict: the optimizer has no state yet but its tensors have "
                            "grads; call it before backward (or after zero_grad) so its state can be made")
