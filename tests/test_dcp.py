@@ -82,7 +82,7 @@ def fsdp2_side(path: str, mode: str) -> dict:
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["model"])
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.clone() for k, v in full.items()}
 
 
