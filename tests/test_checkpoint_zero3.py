@@ -43,7 +43,8 @@ def _train_steps(use_checkpoint: bool, steps: int = 3):
     torch.manual_seed(0)
     with partitioned():
         model = Stack(use_checkpoint)
-    coordinator = attach(model, persistence_threshold=0, max_reuse_distance=0)
+    # leaf fetch units, so the recompute of a block has params of its own to fetch again
+    coordinator = attach(model, persistence_threshold=0, max_reuse_distance=0, fetch_unit_size=0)
     generator = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
     losses = []
     for step in range(steps):

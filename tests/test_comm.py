@@ -87,3 +87,60 @@ def test_group_handle_on_a_sub_group():
     zero, one, two = run(3, body_non_member, "Thing(group=...)")
     assert "Thing(group=...): rank 0 is not a member" in zero
     assert one == (0, 2, [1, 2], 1) and two == (1, 2, [1, 2], 1)
+
+
+def body_packed(sizes, async_op):
+    """all_gather_many / reduce_scatter_many of mixed sizes equal the per-tensor collectives
+    bitwise, count the same bytes, and issue one backend collective for the small ones."""
+    from parts.comm import all_gather_many, reduce_scatter_many
+    from parts.comm import gloo
+    info, rank, world = group_info(None), dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(rank)
+    shards = [torch.randn(n, generator=gen) for n in sizes]
+    fulls = [torch.randn(world * n, generator=gen) for n in sizes]
+    calls = {"n": 0}
+    real_ag, real_rs = gloo.all_gather_direct, gloo.reduce_scatter_consuming
+    import parts.comm.collectives as coll
+
+    def count(real):
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            return real(*args, **kwargs)
+        return wrapped
+
+    coll.all_gather_direct, coll.reduce_scatter_consuming = count(real_ag), count(real_rs)
+    try:
+        before = comm_counter.snapshot()
+        outs = [torch.empty(world * n) for n in sizes]
+        work = all_gather_many(outs, shards, info, async_op=async_op)
+        if work is not None:
+            work.wait()
+        gather_calls, calls["n"] = calls["n"], 0
+        parts_ = [torch.empty(n) for n in sizes]
+        work = reduce_scatter_many(parts_, [f.clone() for f in fulls], info, async_op=async_op, average=True)
+        if work is not None:
+            work.wait()
+        rs_calls = calls["n"]
+        counted = {k: _delta(before, k) for k in ("allgather_bytes", "allgather_calls", "reduce_scatter_bytes")}
+    finally:
+        coll.all_gather_direct, coll.reduce_scatter_consuming = real_ag, real_rs
+    gather_ok, rs_ok = [], []
+    for n, shard, out, full, part in zip(sizes, shards, outs, fulls, parts_):
+        one = torch.empty(world * n)
+        all_gather(one, shard, info, direct=True)
+        gather_ok.append(torch.equal(one, out))
+        mine = torch.empty(n)
+        reduce_scatter(mine, full.clone(), info, consume=True, average=True)
+        rs_ok.append(torch.equal(mine, part))
+    return gather_ok, rs_ok, gather_calls, rs_calls, counted
+
+
+@pytest.mark.parametrize("world, async_op", [(2, False), (3, True)])
+def test_small_tensors_move_in_one_packed_collective(world, async_op):
+    sizes = [5, 1, 300_000, 7, 0, 64]  # four small (packed), one large and one empty (direct)
+    for gather_ok, rs_ok, gather_calls, rs_calls, counted in run(world, body_packed, sizes, async_op):
+        assert all(gather_ok) and all(rs_ok)  # bitwise equal to one collective per tensor
+        assert gather_calls == 3 and rs_calls == 3  # packed + the large one + the empty one
+        assert counted["allgather_calls"] == 1
+        assert counted["allgather_bytes"] == (world - 1) * 4 * sum(sizes)
+        assert counted["reduce_scatter_bytes"] == (world - 1) * 4 * sum(sizes)

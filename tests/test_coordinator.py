@@ -177,23 +177,30 @@ def test_k_micro_batches_equal_one_batch_of_k_times_the_size():
 
 
 # ---------------------------------------------------------------------------- budget
-def _budget() -> dict:
+def _budget(fetch_unit_size: int) -> dict:
     rank, world = rank_info()
     _, model = make_pair(UntiedGPT)
     _, free = make_pair(UntiedGPT)
     block = sum(meta(p).numel for p in model.blocks[0].parameters())
-    largest = max(sum(meta(p).numel for p in m.parameters(recurse=False)) for m in model.modules())
     total = sum(meta(p).numel for p in model.parameters())
     budget = 2 * block
-    losses, co = train_sharded(model, 4, PER_RANK, max_live_parameters=budget, persistence_threshold=0)
-    free_losses, co_free = train_sharded(free, 4, PER_RANK, persistence_threshold=0)
+    losses, co = train_sharded(model, 4, PER_RANK, max_live_parameters=budget, persistence_threshold=0,
+                               fetch_unit_size=fetch_unit_size)
+    free_losses, co_free = train_sharded(free, 4, PER_RANK, persistence_threshold=0,
+                                         fetch_unit_size=fetch_unit_size)
+    table = co.table  # the largest fetch unit (a whole block with units, one module without)
+    largest = max(sum(table.sizes[pid] for pid in table.sets[i])
+                  for i in range(len(table.modules)) if table.is_unit_root(i))
     return dict(losses=losses, free_losses=free_losses, hwm=co.stats().live_high_water,
-                free_hwm=co_free.stats().live_high_water, budget=budget, largest=largest,
+                free_hwm=co_free.stats().live_high_water, budget=budget, largest=largest, block=block,
                 total=total, evicted=co.stats().evicted_params, cached=co.stats().cached_bytes)
 
 
-def test_live_elements_stay_within_budget_plus_current_module():
-    for out in run(2, _budget, timeout=120):
+@pytest.mark.parametrize("fetch_unit_size", [0, 5_000_000])
+def test_live_elements_stay_within_budget_plus_current_module(fetch_unit_size):
+    for out in run(2, _budget, fetch_unit_size, timeout=120):
+        # units never exceed the budget: with the default size each block is one unit here
+        assert out["largest"] == (out["block"] if fetch_unit_size else 2400)
         assert out["hwm"] <= out["budget"] + out["largest"]
         assert out["free_hwm"] == out["total"]  # without a budget everything is gathered at once
         assert out["hwm"] < out["total"]

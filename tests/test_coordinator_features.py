@@ -91,8 +91,10 @@ def _checkpointed(steps: int, ckpt: object = True) -> tuple:
     rank, world = rank_info()
     ref, model = make_pair(GPT, ckpt=ckpt)
     ref_losses = train_reference(ref, steps, PER_RANK * world)
+    # leaf fetch units: with a block as one unit, a non-reentrant recompute finds the block
+    # gathered by the block's own backward fetch (nothing to fetch again)
     losses, co = train_sharded(model, steps, PER_RANK, max_reuse_distance=0,
-                              persistence_threshold=0)
+                              persistence_threshold=0, fetch_unit_size=0)
     return ref_losses, losses, [p.detach() for p in ref.parameters()], full_params(model), co.stats()
 
 

@@ -17,6 +17,7 @@ from parts._compat import all_gather_flat, reduce_scatter_flat
 from parts.comm.counter import comm_counter, wire_bytes
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 from parts.comm.group import GroupInfo
+from parts.comm.packed import FinishAfter, PackedAllGather, PackedReduceScatter, split_small
 from parts.comm.work import Waitable, Work, WorkList
 
 __all__ = ["ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
@@ -47,21 +48,42 @@ def _run_many(collective: Callable, outs: Sequence[torch.Tensor], ins: Sequence[
     return None
 
 
+def _packing(collective: Callable, packer: type, outs: Sequence[torch.Tensor],
+             ins: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor], info: GroupInfo,
+             async_op: bool) -> Optional[Waitable]:
+    """The small pairs (by their per-rank ``chunks``) in one packed collective, the others
+    straight; one handle for all, whose ``wait()`` also unpacks (``parts.comm.packed``)."""
+    packed, direct = split_small([c.numel() for c in chunks], [c.dtype for c in chunks])
+    if not packed or info.world_size == 1:
+        return _run_many(collective, outs, ins, info, async_op)
+    pack = packer([outs[i] for i in packed], [ins[i] for i in packed], info.world_size)
+    works = [FinishAfter(_run_many(collective, [pack.recv], [pack.send], info, True), pack.finish)]
+    if direct:
+        works.append(_run_many(collective, [outs[i] for i in direct], [ins[i] for i in direct], info, True))
+    work = WorkList(works)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def all_gather_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
                     async_op: bool = False) -> Optional[Waitable]:
-    """All-gather every ``ins[k]`` straight into ``outs[k]`` (no packing); counted as one call."""
+    """All-gather every ``ins[k]`` into ``outs[k]``, counted as one call: large ones straight
+    into ``outs[k]``, small ones packed into one flat collective (``parts.comm.packed``)."""
     comm_counter.add("allgather", wire_bytes(sum(_nbytes(i) for i in ins), info.world_size))
-    return _run_many(all_gather_direct, outs, ins, info, async_op)
+    return _packing(all_gather_direct, PackedAllGather, outs, ins, ins, info, async_op)
 
 
 def reduce_scatter_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
                         async_op: bool = False, average: bool = False) -> Optional[Waitable]:
     """Sum (or with ``average`` mean) every ``ins[k]`` over ranks, this rank's chunk into
-    ``outs[k]``; counted as one call. ``ins`` may be overwritten (see ``parts.comm.gloo``)."""
+    ``outs[k]``; counted as one call, small ones packed into one flat collective.
+    ``ins`` may be overwritten (see ``parts.comm.gloo``)."""
     comm_counter.add("reduce_scatter", wire_bytes(sum(_nbytes(o) for o in outs), info.world_size))
     divide_by = info.world_size if average else 1
     collective = partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM, divide_by=divide_by)
-    return _run_many(collective, outs, ins, info, async_op)
+    return _packing(collective, PackedReduceScatter, outs, ins, outs, info, async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, *, direct: bool = False) -> None:

@@ -1,18 +1,17 @@
 """The fetch/release coordinator: ZeRO-3 training with ordinary training code.
 
-``attach(model)`` hooks every submodule that owns sharded parameters (``recurse=False``) or
-uses others' (external parameters), plus the root:
+``attach(model)`` hooks the root, every fetch unit (units.py: a block, a submodule's own
+parameters) and modules using others' (external parameters); modules inside a unit fetch
+only when called outside it:
 
-* before a submodule's forward its parameters are gathered (one group of collectives) and
+* before a unit's forward its parameters are gathered (one group of collectives) and
   released after it, unless kept for reuse or persistent; before its backward (a pre-hook on
   the autograd nodes of the forward's output tensors, found in tuples, dicts and dataclasses)
   they are gathered again;
 * grads are reduce-scattered into fp32 grad shards (reduce.py) once per backward, after a
-  parameter's last use (``register_post_accumulate_grad_hook``: tied weights once),
-  accumulating across micro-batches; complete grads wait in a bucket of
-  ``reduce_bucket_size`` elements, then go in one group of collectives (async with
-  ``overlap_comm``, while backward computes the next bucket; all have landed in the grad
-  shards when ``backward()`` returns);
+  parameter's last use (``register_post_accumulate_grad_hook``: tied weights once), summed
+  over micro-batches, in buckets of ``reduce_bucket_size`` elements (async with
+  ``overlap_comm``; all have landed when ``backward()`` returns);
 * the first step of each phase (``train``, ``eval/no_grad``, ...) records the submodule order;
   later steps prefetch ahead along it with async gathers. A step that leaves the trace (a
   skipped block, another branch) fetches on demand from there on and becomes the new trace
@@ -81,13 +80,12 @@ class _Pieces:
 
 
 class FetchCoordinator:
-    """Fetches and releases sharded parameters around every submodule; see ``attach``.
+    """Fetches and releases sharded parameters around every fetch unit; see ``attach``.
 
-    The hooks and the step lifecycle live here; the state lives in named pieces built at
-    ``attach``: ``table`` (modules, parameters, sizes, persistence), ``live`` (gathered
-    parameters, use counts, budget, release, storage pool), ``prefetcher`` (traces, plan,
-    prefetch gathers) and ``reducer`` (grad buckets, reduce-scatters). The element-count
-    knobs are ``plan.Knobs``.
+    The hooks and the step lifecycle live here; the state in pieces built at ``attach``:
+    ``table`` (modules, units, parameters, persistence), ``live`` (gathered parameters, use
+    counts, budget, storage pool), ``prefetcher`` (traces, plan, prefetch gathers) and
+    ``reducer`` (grad buckets, reduce-scatters). The element-count knobs are ``plan.Knobs``.
     ``mixed_precision``: a ``MixedPrecision`` policy (fp32 shards gathered as ``param_dtype``,
     grads reduce-scattered in ``reduce_dtype``; core/precision.py).
     ``sync_buffers`` (default True, DDP's ``broadcast_buffers``): rank 0's buffers are broadcast
@@ -101,17 +99,15 @@ class FetchCoordinator:
                  overlap_comm: bool = True, debug: bool = False,
                  reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
                  mixed_precision: Optional[MixedPrecision] = None,
-                 sync_buffers: bool = True) -> None:
+                 sync_buffers: bool = True, fetch_unit_size: int = 5_000_000) -> None:
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
                             f"got {type(mixed_precision).__name__}")
-        self.group = group
-        self.mixed_precision = mixed_precision
-        self.sync_buffers = sync_buffers
+        self.group, self.mixed_precision, self.sync_buffers = group, mixed_precision, sync_buffers
         self._undo_precision: Optional[Callable[[], None]] = None
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
-                           reduce_bucket_size, cache_freed_storage)
+                           reduce_bucket_size, cache_freed_storage, fetch_unit_size)
         self._root: Optional[nn.Module] = None
         self._last: Optional[CoordinatorStats] = None
 
@@ -195,9 +191,10 @@ class FetchCoordinator:
             return
         sub = self.table.modules[index]
         hooks = ModuleHooks(sub)
-        hooks.install(partial(self._pre_forward, index), partial(self._post_forward, index))
+        pre = self._pre_forward if self.table.is_unit_root(index) else self._pre_forward_inner
+        hooks.install(partial(pre, index), partial(self._post_forward, index))
         if any(True for _ in sub.parameters(recurse=False)):
-            hooks.watch(index, self._on_param_read)
+            hooks.watch(self.table.unit[index], self._on_param_read)
         self._hooks[index] = hooks
 
     # ------------------------------------------------------------- external parameters
@@ -273,12 +270,9 @@ class FetchCoordinator:
             self._buffers_dirty = phase.startswith("train")  # train mode updates buffers
 
     def _refresh_persistent(self, phase: str) -> None:
-        """Gather the persistent params that need it in one (async) collective at a step's start.
-
-        They stay gathered across steps; one whose shard changed since it was gathered (an
-        optimizer stepped it) is released and gathered again with the others. The decision
-        is local (every rank steps its shards of the same params); ``debug`` checks it.
-        """
+        """Gather the persistent params that need it in one (async) collective at a step's start:
+        those not gathered, and, in place, those whose shard an optimizer stepped since. The
+        decision is local (every rank steps its shards of the same params); ``debug`` checks it."""
         todo, stale = self.live.persistent_to_gather()
         self.check.point(self._steps[phase], "start", ids=sorted(todo + stale))
         self.live.refresh_persistent(todo, stale)
@@ -313,6 +307,12 @@ class FetchCoordinator:
         call = ModuleCall(index, phase, list(self.table.sets[index]))
         self._stack.append(call)
         self._fetch(call, FORWARD)
+
+    def _pre_forward_inner(self, index: int, module: nn.Module, args: tuple) -> None:
+        """A module inside a fetch unit: nothing to do while its unit runs, else a call of its own."""
+        unit = self.table.unit[index]
+        if self._root is not None and not any(call.index == unit for call in self._stack):
+            self._pre_forward(index, module, args)
 
     def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._root is None or not self._stack:
@@ -394,7 +394,6 @@ class FetchCoordinator:
         self.live.end_backward()
         if phase in self._steps:
             self._end_step(phase)
-
 
 
 def attached_to(module: nn.Module) -> Optional[FetchCoordinator]:

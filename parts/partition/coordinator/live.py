@@ -176,13 +176,18 @@ class LiveSet:
         return todo, stale
 
     def refresh_persistent(self, todo: list[int], stale: list[int]) -> None:
-        """Release the stale persistent params and gather them with ``todo`` in one collective."""
-        if stale:
-            release(self.table.select(stale), free_storage=True, pool=self.pool)
-            todo = sorted(todo + stale)
-        if todo:
-            self.counters.persistent_gathers += len(todo)
-            self.gather(todo, async_op=self.knobs.overlap_comm)
+        """Gather ``todo`` and the ``stale`` persistent params in one collective; the stale
+        ones stay gathered and are refilled in place (``core.gather``: no release, no alloc)."""
+        ids = sorted(todo + stale)
+        if not ids:
+            return
+        self.counters.persistent_gathers += len(ids)
+        self.counters.allgather_calls += 1
+        key = self._pass_key(FORWARD)
+        for pid in ids:
+            self._note_gathered(pid, key)
+        gather(self.table.select(ids), self.group, async_op=self.knobs.overlap_comm, pool=self.pool,
+               compute=True)
 
     def release_all(self) -> None:
         """Release every gathered parameter (persistent too) and drop the pool: detach."""

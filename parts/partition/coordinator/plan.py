@@ -24,7 +24,8 @@ __all__ = [
 ]
 
 _INT_KNOBS = ("prefetch_bucket_size", "max_reuse_distance", "max_live_parameters",
-              "persistence_threshold", "model_persistence_threshold", "reduce_bucket_size")
+              "persistence_threshold", "model_persistence_threshold", "reduce_bucket_size",
+              "fetch_unit_size")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Knobs:
     per optimizer step, none for steps without an update (evaluation, accumulation).
     ``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
     that size instead of going back to the host allocator (CPU only; ``storage_pool.py``).
+    ``fetch_unit_size``: a submodule whose subtree holds at most this many elements (and at
+    most ``max_live_parameters``) is one fetch unit, gathered and released as one, with hooks
+    on it alone (``units.py``; a transformer block, or a whole small model); 0: every
+    submodule fetches its own parameters.
     """
 
     prefetch_bucket_size: int = 50_000_000
@@ -58,6 +63,7 @@ class Knobs:
     debug: bool = False
     reduce_bucket_size: int = 5_000_000
     cache_freed_storage: bool = True
+    fetch_unit_size: int = 5_000_000
 
     def __post_init__(self) -> None:
         for name in _INT_KNOBS:

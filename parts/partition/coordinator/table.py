@@ -10,6 +10,7 @@ from torch import nn
 
 from parts.comm import GroupArg
 from parts.partition.coordinator.plan import Knobs, select_persistent
+from parts.partition.coordinator.units import choose_units
 from parts.partition.core import disk
 from parts.partition.core.param import ParamMeta, meta
 
@@ -19,7 +20,9 @@ __all__ = ["ParamTable"]
 class ParamTable:
     """The attached model's modules (by index, in ``named_modules`` order) and parameters (by stable id).
 
-    ``sets[index]``: stable ids the module at ``index`` fetches (its own, then external ones);
+    ``sets[index]``: stable ids the module at ``index`` fetches (a fetch unit's root: its
+    subtree's, see units.py; any other module: its own), then external ones;
+    ``unit[index]``: the unit root whose fetch brings that module's own parameters;
     ``version`` changes whenever a set grows. ``records``/``sizes``: each parameter's
     ``ParamMeta`` and element count. ``persistent``: ids gathered once and kept gathered.
     ``any_parked``: some shards live on disk (``parts.partition.core.disk``).
@@ -40,12 +43,33 @@ class ParamTable:
                 self.params[pid] = p
         self.records: dict[int, ParamMeta] = {pid: meta(p) for pid, p in self.params.items()}
         self.sizes: dict[int, int] = {pid: m.numel for pid, m in self.records.items()}
+        self._choose_units(min(knobs.fetch_unit_size, knobs.max_live_parameters))
         self._pids = {id(p): pid for pid, p in self.params.items()}
         self.any_parked = any(disk.parked_version(m.shard) is not None for m in self.records.values())
         self.persistent = select_persistent(self.sizes, knobs.persistence_threshold,
                                             knobs.model_persistence_threshold)
         self.persistent_ids = sorted(self.persistent)
         self.version = 0
+
+    def _choose_units(self, limit: int) -> None:
+        """Fetch units of at most ``limit`` elements (units.py): a unit root's set becomes its
+        subtree's parameters; an inner module keeps its own set for calls outside its unit."""
+        parents = [-1] * len(self.modules)
+        for i, sub in enumerate(self.modules):
+            for child in sub.children():
+                j = self.index.get(id(child), 0)
+                if j > i and parents[j] < 0:
+                    parents[j] = i
+        containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+        coverable = [i > 0 and not isinstance(sub, containers) for i, sub in enumerate(self.modules)]
+        units = choose_units(parents, self.sets, self.sizes, limit, coverable)
+        self.unit: tuple = units.unit
+        for root, ids in units.members.items():
+            self.sets[root] = ids
+
+    def is_unit_root(self, index: int) -> bool:
+        """True if the module at ``index`` fetches a unit (else an inner module of one)."""
+        return self.unit[index] == index
 
     def pid(self, param: nn.Parameter) -> Optional[int]:
         """Stable id of ``param`` if it is a parameter of the attached model."""

@@ -73,12 +73,13 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
     With ``compute`` each shard is cast to its policy's compute dtype *before* the collective,
     so the wire carries (and the full tensor holds) that dtype."""
     sends, fulls = [], []
-    for _, m in pairs:
+    for p, m in pairs:
+        current = p.data if m.status is ParamStatus.AVAILABLE else None  # a stale one: refill it
         stamp(m)  # the full tensor will hold the shards as sent now
         dtype = m.full_dtype = wanted_dtype(m, compute)
         disk.load_for_send(m.shard)
         sends.append(m.shard.to(m.device, dtype, non_blocking=True))
-        fulls.append(_full_for(m, pool, dtype))
+        fulls.append(_full_for(m, pool, dtype, current))
     work = all_gather_many([flat for _, flat in fulls], sends, info, async_op=async_op)
 
     def unpack() -> None:
@@ -90,13 +91,18 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
     return GatherHandle(pairs, work, unpack, joined)
 
 
-def _full_for(m: ParamMeta, pool: Optional[StoragePool],
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full ``dtype`` tensor for ``m`` (its freed storage refilled, from ``pool`` if it has
-    a block that size, else fresh) and its padded 1-D alias of ``world_size * shard_numel``
-    elements, which the all-gather writes."""
+def _full_for(m: ParamMeta, pool: Optional[StoragePool], dtype: torch.dtype,
+              current: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full ``dtype`` tensor for ``m`` (``current``, the stale full tensor of a gathered
+    param, refilled in place; its freed storage refilled, from ``pool`` if it has a block that
+    size; else fresh) and its padded 1-D alias of ``world_size * shard_numel`` elements,
+    which the all-gather writes."""
     padded = m.world_size * m.layout.shard_numel
     nbytes = padded * dtype.itemsize
+    if (current is not None and current.dtype == dtype and _owns_storage(current, m)
+            and current.untyped_storage().nbytes() >= nbytes):
+        storage = current.untyped_storage()
+        return current, torch.empty(0, dtype=dtype, device=m.device).set_(storage, 0, (padded,))
     kept, m.shrunk = m.shrunk, None
     if kept is not None and kept.dtype != dtype:
         kept = None  # gathered in another dtype before: views saved from it cannot be refilled
