@@ -55,6 +55,13 @@ def _overhead_model(setting: str, modules: int, width: int) -> tuple[nn.Module, 
     if setting == "plain":
         model = _tiny_stack(modules, width)
         return model, list(model.parameters()), None
+    if setting == "fsdp2":  # every Linear a fully_shard unit (and the root), world 1
+        from torch.distributed.fsdp import fully_shard
+        model = _tiny_stack(modules, width)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, list(model.parameters()), None
     with partitioned():
         model = _tiny_stack(modules, width)
     knobs = (dict(persistence_threshold=1 << 40) if setting == "persistent"
@@ -71,12 +78,35 @@ def _one_step(model: nn.Module, grads: list, x: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
+def _world_of_one() -> bool:
+    """Start a one-rank gloo group (FSDP2 needs one); True if this call started it."""
+    if dist.is_initialized():
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return True
+
+
 def host_overhead(modules: int = 200, width: int = 16, batch: int = 4, steps: int = 40,
-                  warmup: int = 3) -> dict[str, dict]:
-    """Median step time per setting and the hook cost in µs per hooked submodule call (world 1)."""
-    built = {s: _overhead_model(s, modules, width) for s in SETTINGS}
+                  warmup: int = 3, fsdp2: bool = False) -> dict[str, dict]:
+    """Median step time per setting and the hook cost in µs per hooked submodule call (world 1);
+    with ``fsdp2`` also FSDP2 with every Linear a unit, its cost per call over the same calls."""
+    settings = SETTINGS + (("fsdp2",) if fsdp2 else ())
+    started = _world_of_one() if fsdp2 else False
+    try:
+        return _measure_overhead(settings, modules, width, batch, steps, warmup)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _measure_overhead(settings: tuple, modules: int, width: int, batch: int, steps: int,
+                      warmup: int) -> dict[str, dict]:
+    """The timing loop of ``host_overhead``."""
+    built = {s: _overhead_model(s, modules, width) for s in settings}
     x = torch.randn(batch, width)
-    times: dict[str, list] = {s: [] for s in SETTINGS}
+    times: dict[str, list] = {s: [] for s in settings}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -89,9 +119,11 @@ def host_overhead(modules: int = 200, width: int = 16, batch: int = 4, steps: in
         torch.set_num_threads(threads)
     plain = statistics.median(times["plain"])
     rows = {}
+    same_calls = built["fetch_release"][2].stats().trace_events  # FSDP2 hooks the same calls
     for s, (model, _, coordinator) in built.items():
         step = statistics.median(times[s])
         calls = coordinator.stats().trace_events if coordinator is not None else 0
+        calls = same_calls if s == "fsdp2" else calls
         per_call = (step - plain) / calls * 1e6 if calls else None
         rows[s] = dict(step=step, calls=calls, per_call_us=per_call)
         if coordinator is not None:

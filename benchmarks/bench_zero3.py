@@ -38,7 +38,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
 
-SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean")
+SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean", "parts_defaults")
+MODELS = {"25m": dict(n_layer=8, n_embd=512, n_head=8, seq=128),  # ../shared/LESSONS.md's 25.4M GPT
+          "small": dict(n_layer=32, n_embd=64, n_head=4, seq=64)}  # issue 17: small and deep, 1.6M
 BF16_SYSTEMS = ("ddp", "fsdp2_bf16", "parts_bf16", "parts_lean_bf16")
 ANCHOR_ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)  # issue 15's anchor
 
@@ -64,6 +66,14 @@ def build_parts(config):
         model = GPT(config)
     coordinator = attach(model, persistence_threshold=0)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
+
+
+def build_parts_defaults(config):
+    """ZeRO-3 with every knob at its default (fetch units, persistence threshold)."""
+    from parts.partition import attach, partitioned, shards
+    with partitioned():
+        model = GPT(config)
+    return model, torch.optim.AdamW(shards(model), lr=3e-4), attach(model)
 
 
 def build_parts_lean(config):
@@ -169,10 +179,13 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=512)
-    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--model", choices=sorted(MODELS), default="25m",
+                        help="shape preset (n_layer, n_embd, n_head, seq); the flags below override it")
+    parser.add_argument("--n-embd", type=int, default=None)
+    parser.add_argument("--n-layer", type=int, default=None)
+    parser.add_argument("--n-head", type=int, default=None)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="default 10 (fp32), 23 (bf16)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--systems", default=None,
@@ -184,13 +197,15 @@ def main() -> None:
                         help="run every system this many times, alternating; report the median")
     parser.add_argument("--no-overhead", action="store_true", help="skip the world-1 host-overhead run")
     args = parser.parse_args()
+    for name, value in MODELS[args.model].items():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     bf16 = args.dtype == "bf16"
     args.steps = args.steps or (23 if bf16 else 10)
     args.systems = args.systems or ",".join(BF16_SYSTEMS if bf16 else SYSTEMS)
     if bf16:
         from chardata import VOCAB_SIZE
     config = GPTConfig(vocab_size=VOCAB_SIZE if bf16 else 128, block_size=args.seq, n_layer=args.n_layer,
-                       n_head=8, n_embd=args.n_embd)
+                       n_head=args.n_head, n_embd=args.n_embd)
     params = sum(p.numel() for p in GPT(config).parameters())
     print(f"GPT {params / 1e6:.1f}M params, world {args.world_size}, micro-batch "
           f"{args.batch}x{args.seq} per rank, {'bf16 (DDP: fp32 reference)' if bf16 else 'fp32'} AdamW, "
@@ -214,10 +229,10 @@ def _print_overhead() -> None:
     """Host cost of the coordinator's hooks per submodule call, communication made free (world 1)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_overlap import host_overhead
-    rows = host_overhead()
+    rows = host_overhead(fsdp2=True)
     print("\nHost overhead per hooked submodule call (world 1: collectives are local copies; "
-          "200 x Linear(16, 16), bench_overlap.py):")
-    for setting in ("persistent", "fetch_release"):
+          "200 x Linear(16, 16), bench_overlap.py; FSDP2: every Linear fully_shard, same calls):")
+    for setting in ("persistent", "fetch_release", "fsdp2"):
         print(f"  {setting}: {rows[setting]['per_call_us']:.0f} µs")
 
 
