@@ -13,6 +13,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when first
+# imported. Imported after init_process_group (torch.optim's first optimizer imports it through
+# torch.distributed.fsdp), its functions keep the default process group alive, so
+# destroy_process_group cannot free it and gloo's threads run on into interpreter teardown
+# (issue 21 row 3). Imported here, before any group exists, those defaults are None.
+import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -58,6 +64,12 @@ def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass (a graph task) on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass (graph task) running on this thread, -1 outside backward;
+    every ``backward()`` / ``autograd.grad()`` call gets a new one."""
+    return torch._C._current_graph_task_id()
 
 
 def on_backward_end(callback: Callable[[], None]) -> None:

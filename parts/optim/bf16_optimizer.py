@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
+from parts.base.weak import weak_method
 from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ProcessGroup, resolve_group
 
@@ -137,7 +138,7 @@ class BF16Optimizer(OptimizerWrapper):
                            self.grad_accum_dtype, self.step_chunk, self.param_dtype)
             for i, p in enumerate(replicated):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    fg.make_hook(i, self._mark_grads)))
+                    fg.make_hook(i, weak_method(self._mark_grads))))  # no cycle through C++
         self.flat_groups.append(fg)
         self.sharded_groups.append(sharded)
         self._norm_ranges.append(self._flat_norm_ranges(fg))

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from parts._compat import in_backward, on_backward_end
+from parts.base.weak import weak_method
 from parts.comm import GroupArg
 from parts.partition.core.grad_guard import raw_grad
 from parts.partition.interop.buffers import broadcast_buffers
@@ -45,7 +46,7 @@ from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence, StepCheck
-from parts.partition.coordinator.hooks import ModuleHooks, register_pre_backward
+from parts.partition.coordinator.hooks import AttachedLookup, ModuleHooks, register_pre_backward
 from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.prefetch import Prefetcher
@@ -60,7 +61,7 @@ from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
 
 __all__ = ["FetchCoordinator", "RankDivergence", "attached_to"]
 
-_attached: "weakref.WeakKeyDictionary[nn.Module, FetchCoordinator]" = weakref.WeakKeyDictionary()
+_attached = AttachedLookup()
 """Which coordinator hooks a module: a weak lookup for the module-level ``detach(module)`` and
 ``register_external_parameter(module, p)``; it configures nothing and forgets dead modules."""
 
@@ -131,7 +132,8 @@ class FetchCoordinator:
                 self._hook(index)
         for p in self.table.params.values():
             if p.requires_grad:
-                self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(
+                    weak_method(self._post_accumulate)))  # held in C++: no uncollectable cycle
         for sub in self.table.modules:
             _attached[sub] = self
         if self.knobs.debug:
@@ -181,6 +183,7 @@ class FetchCoordinator:
         self._phase_steps: dict[str, int] = {}  # steps begun per phase (debug mode names them)
         self._stack: list[ModuleCall] = []
         self._bwd_phase: Optional[str] = None
+        self._bwd_creates_graph = False
         self._misses = 0
         self._steps_done = 0
         self._buffers_dirty = True
@@ -364,11 +367,14 @@ class FetchCoordinator:
         call = ModuleCall(index, self._bwd_phase, list(self.table.sets[index]))
         self._fetch(call, BACKWARD)
         self.live.use_in_backward(call.ids)
+        if torch.is_grad_enabled():  # create_graph: the grad graph being built reads these params
+            self.live.hold_for_graph(call.ids)
 
     def _enter_backward(self, phase: str) -> None:
         if self._bwd_phase is not None:
             return
         self._bwd_phase = phase
+        self._bwd_creates_graph = torch.is_grad_enabled()
         self.live.backwards += 1
         if not self.prefetcher.book.active(phase):
             self._begin_step(phase)
@@ -391,6 +397,8 @@ class FetchCoordinator:
         if self._root is None:
             return
         self.reducer.flush(self._steps.get(phase))
+        if not self._bwd_creates_graph:
+            self.live.drop_graph_holds()
         self.live.end_backward()
         if phase in self._steps:
             self._end_step(phase)

@@ -7,13 +7,16 @@ installs and removes the hooks and finds tensors inside whatever a forward retur
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+import weakref
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from parts._compat import graph_task_id
 
-__all__ = ["WatchedParameters", "register_pre_backward", "tensors_in", "ModuleHooks"]
+
+__all__ = ["AttachedLookup", "WatchedParameters", "register_pre_backward", "tensors_in", "ModuleHooks"]
 
 _MAX_DEPTH = 8
 
@@ -36,18 +39,20 @@ def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 def register_pre_backward(output: Any, fire: Callable[[], None]) -> bool:
-    """Call ``fire()`` once, when the first grad w.r.t. a tensor of ``output`` is computed.
+    """Call ``fire()`` once per backward pass through ``output``, when the first grad w.r.t.
+    one of its tensors is computed (again in a second pass through a retained graph).
 
     Returns False (and registers nothing) if no tensor in ``output`` requires grad.
     """
     tensors = [t for t in tensors_in(output) if t.requires_grad]
     if not tensors:
         return False
-    state = {"fired": False}
+    state = {"pass": None}
 
     def hook(*_: Any) -> None:
-        if not state["fired"]:
-            state["fired"] = True
+        current = graph_task_id()
+        if state["pass"] != current:
+            state["pass"] = current
             fire()
 
     nodes = {}
@@ -116,3 +121,31 @@ class ModuleHooks:
             self.module.__dict__["_parameters"] = dict(params.items())
             self.watched = False
 
+
+
+class AttachedLookup:
+    """module -> its coordinator, holding neither strongly.
+
+    A ``WeakKeyDictionary`` with the coordinator as a plain value never forgets anything: the
+    coordinator references its modules, so every key stays alive through its own value, and
+    an attached model (with its process group and gloo threads) outlived ``del model`` and
+    ``destroy_process_group`` until interpreter teardown (issue 21 row 3). Here the value is
+    a weak reference too; the coordinator lives as long as its hooks on the model do.
+    """
+
+    def __init__(self) -> None:
+        self._refs: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+    def get(self, module: nn.Module) -> Optional[Any]:
+        """The live coordinator attached to ``module``, or None."""
+        ref = self._refs.get(module)
+        return ref() if ref is not None else None
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return self.get(module) is not None
+
+    def __setitem__(self, module: nn.Module, coordinator: Any) -> None:
+        self._refs[module] = weakref.ref(coordinator)
+
+    def __delitem__(self, module: nn.Module) -> None:
+        del self._refs[module]

@@ -41,6 +41,7 @@ class LiveSet:
         self.table, self.knobs, self.group, self.counters = table, knobs, group, counters
         self.uses: dict[int, int] = {}
         self.backward_uses: dict[int, int] = {}  # uses by backward passes in progress
+        self.graph_holds: set[int] = set()  # used by a create_graph backward: its graph needs them
         self.live: dict[int, int] = {}
         self.total = 0
         self.pool: Optional[StoragePool] = StoragePool() if knobs.cache_freed_storage else None
@@ -102,6 +103,20 @@ class LiveSet:
         if held:
             self.uses[pid] -= held
             self.settle([pid], step)
+
+    def hold_for_graph(self, ids: Iterable[int]) -> None:
+        """A backward with ``create_graph`` used ``ids``: the graph it builds (a gradient
+        penalty's) reads them in the next backward, so they stay gathered until that ends."""
+        for pid in ids:
+            if pid not in self.graph_holds:
+                self.graph_holds.add(pid)
+                self.uses[pid] = self.uses.get(pid, 0) + 1
+
+    def drop_graph_holds(self) -> None:
+        """A backward without ``create_graph`` ended: the held params may go (at the step's end)."""
+        for pid in self.graph_holds:
+            self.uses[pid] -= 1
+        self.graph_holds.clear()
 
     def end_backward(self) -> None:
         """The backward is over: drop every hold it still had (no release here: the step ends)."""

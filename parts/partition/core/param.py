@@ -214,7 +214,8 @@ _META_METHODS = frozenset({
     "get_device", "stride", "storage_offset", "untyped_storage", "data_ptr", "has_names", "_is_view",
     "requires_grad_",
     "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "__hash__", "__dir__",
-    "__format__", "__sizeof__"})
+    "__format__", "__sizeof__",
+    "grad", "backward"})  # torch.autograd.grad/backward(inputs=...): the param names a graph leaf
 
 
 def _attr_name(func: Any) -> Optional[str]:
