@@ -58,3 +58,21 @@ def test_save_writes_mode_0644_and_removes_stale_temporaries(tmp_path: Path) -> 
         os.umask(old)
     assert (tmp_path / "ck.pt").stat().st_mode & 0o777 == 0o644
     assert not stale.exists() and live.exists()
+
+
+def test_save_streams_and_load_holds_what_torch_load_holds() -> None:
+    """Row 10: a 64 MiB checkpoint. Before: save grew peak RSS by the whole payload (an
+    in-memory copy), load by twice it (file bytes, then the tensors); now save adds at most
+    16 MiB and load at most 16 MiB (its 8 MiB read buffer) over what torch.load adds."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "tests" / "io_memory_job.py"), "64"], cwd=root,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=240, check=True).stdout
+    save, plain, ours = map(int, out.split())
+    slack = 16 << 20
+    assert plain >= 48 << 20, out  # the measurement sees the loaded tensors at all
+    assert save <= slack, f"save grew peak RSS by {save / 2**20:.0f} MiB"
+    assert ours <= plain + slack, f"load {ours / 2**20:.0f} MiB vs torch.load {plain / 2**20:.0f} MiB"
