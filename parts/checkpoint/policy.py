@@ -8,7 +8,7 @@ from typing import Optional
 from parts.comm import GroupArg, check_member
 from parts.checkpoint.buffers import ContiguousBuffers
 from parts.checkpoint.rng import RNGTracker
-from parts.observe import Timers
+from parts.base import Timers
 
 
 @dataclass(frozen=True)

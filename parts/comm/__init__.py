@@ -10,8 +10,8 @@ a small module of its domain collectives on top of this; nothing else in ``parts
 """
 
 from parts.comm.collectives import (ReduceOp, all_gather, all_gather_list, all_gather_many,
-                                    all_reduce, broadcast, comm_device, new_group, reduce_scatter,
-                                    reduce_scatter_many)
+                                    all_reduce, broadcast, comm_device, min_max, new_group,
+                                    reduce_scatter, reduce_scatter_many)
 from parts.comm.agree import RankDisagreement, agree
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
 from parts.comm.objects import all_gather_objects, broadcast_object
@@ -26,7 +26,7 @@ __all__ = [
     "require_distributed", "is_distributed", "global_rank", "env_world_size",
     "CommCounter", "comm_counter", "wire_bytes",
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
-    "all_reduce", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
+    "all_reduce", "min_max", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
     "new_group", "comm_device", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "agree", "RankDisagreement",
 ]

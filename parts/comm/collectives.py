@@ -16,13 +16,13 @@ import torch.distributed as dist
 from parts._compat import all_gather_flat, reduce_scatter_flat
 from parts.comm.counter import comm_counter, wire_bytes
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
-from parts.comm.group import GroupInfo
+from parts.comm.group import GroupArg, GroupInfo, group_info, is_distributed
 from parts.comm.packed import FinishAfter, PackedAllGather, PackedReduceScatter, split_small
 from parts.comm.work import Waitable, Work, WorkList
 
 __all__ = ["ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
            "all_reduce", "broadcast", "all_gather_list",
-           "new_group", "comm_device"]
+           "new_group", "comm_device", "min_max"]
 
 ReduceOp = dist.ReduceOp
 """The reduction ops (``ReduceOp.SUM``, ``MAX``, ``MIN``, ...)."""
@@ -152,3 +152,15 @@ def comm_device(info: GroupInfo) -> torch.device:
     if info.group is None or info.backend == "gloo" or acc is None or not acc.is_available():
         return torch.device("cpu")
     return torch.device(acc.current_accelerator().type, acc.current_device_index())
+
+
+def min_max(values: torch.Tensor, group: GroupArg = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise minimum and maximum of ``values`` over ``group``; local copies when not distributed."""
+    if not is_distributed():
+        return values.clone(), values.clone()
+    info = group_info(group, "min_max(group=...)")
+    device = comm_device(info)
+    lo, hi = values.to(device), values.to(device, copy=True)
+    all_reduce(lo, info, ReduceOp.MIN)
+    all_reduce(hi, info, ReduceOp.MAX)
+    return lo.cpu(), hi.cpu()

@@ -17,9 +17,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from parts.comm import GroupArg
-from parts.observe._collectives import min_max, rank
 from parts.base.device import synchronize_accelerator
+from parts.comm import GroupArg, group_info, min_max
 
 
 class Timer:
@@ -133,7 +132,7 @@ class Timers:
         lo, hi = min_max(torch.tensor(list(local.values()), dtype=torch.float64), group)
         result = {n: (lo[i].item() / normalizer, hi[i].item() / normalizer)
                   for i, n in enumerate(local)}
-        if rank(group) == 0 and result:
+        if group_info(group, "Timers.log").rank == 0 and result:
             printer("time (ms) min/max | " + " | ".join(
                 f"{n}: {a * 1e3:.2f}/{b * 1e3:.2f}" for n, (a, b) in result.items()))
         return result
