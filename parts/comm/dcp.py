@@ -10,6 +10,15 @@ and no rank ever holds another rank's piece. Any DCP planner and storage writer/
 works on it (it speaks DCP's checkpointable protocol, as DTensor does); any other op on it
 raises, naming it.
 
+A segment may also be *deferred*: an object that is not a tensor and has ``numel()``,
+``dtype``, ``device``, ``materialize()`` (a 1-D tensor of its elements, read now; writes
+into it are kept) and ``settle()`` (give back what ``materialize`` lent, writing back what
+was written): ``parts.offload.lease.Stored``, a tensor in a ``DiskStore``. Its boxes are
+materialized only when DCP asks for them (``__get_tensor_shard__``: the writer saving one
+item, the reader loading one), so a save or load holds one stored tensor at a time.
+``settle(state)`` settles every deferred segment of a state dict; ``save``/``load`` do so
+when they finish.
+
 ``save``/``load`` run DCP's own steps (planner, storage writer/reader, metadata: the files
 are exactly what ``dcp.save`` writes and ``dcp.load`` reads, and the other way round), but
 exchange the plans through ``parts.comm.objects`` instead of torch's object collectives,
@@ -35,7 +44,39 @@ from parts.base.boxes import flat_boxes
 from parts.comm.group import GroupArg, group_info
 from parts.comm.objects import all_gather_objects, broadcast_object
 
-__all__ = ["ShardView", "save", "load", "CheckpointError"]
+__all__ = ["ShardView", "save", "load", "settle", "is_deferred", "same_piece", "CheckpointError"]
+
+
+def is_deferred(piece: Any) -> bool:
+    """True for a deferred segment (not a tensor; read when DCP asks: see the module docstring)."""
+    return not isinstance(piece, torch.Tensor) and hasattr(piece, "materialize")
+
+
+def same_piece(a: Any, b: Any) -> bool:
+    """True if segments ``a`` and ``b`` are the same elements (same memory, or same stored range)."""
+    if is_deferred(a) or is_deferred(b):
+        return is_deferred(a) and is_deferred(b) and a.same_as(b)
+    return a.numel() == b.numel() and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
+
+
+class _Deferred:
+    """A box of a deferred segment: ``resolve()`` materializes the segment and views the box."""
+
+    def __init__(self, piece: Any, lo: int, sizes: tuple) -> None:
+        self.piece, self.lo, self.shape = piece, lo, torch.Size(sizes)
+
+    def resolve(self) -> torch.Tensor:
+        return self.piece.materialize().narrow(0, self.lo, self.shape.numel()).view(self.shape)
+
+
+def _resolve(box: Any) -> torch.Tensor:
+    return box.resolve() if isinstance(box, _Deferred) else box
+
+
+def _properties(box: Any, dtype: torch.dtype) -> TensorProperties:
+    if isinstance(box, _Deferred):
+        return TensorProperties(dtype=dtype)
+    return TensorProperties.create_from_tensor(box)
 
 
 class ShardView(torch.Tensor):
@@ -85,8 +126,8 @@ class ShardView(torch.Tensor):
                f"{len(self._boxes)} boxes)"
 
     def pieces(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-        """``(offsets, view)`` of every box this rank holds."""
-        return list(self._boxes.items())
+        """``(offsets, view)`` of every box this rank holds (deferred segments materialized)."""
+        return [(off, _resolve(box)) for off, box in self._boxes.items()]
 
     @property
     def segments(self) -> tuple[tuple[int, torch.Tensor], ...]:
@@ -99,7 +140,7 @@ class ShardView(torch.Tensor):
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
                               chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape),
-                              properties=TensorProperties.create_from_tensor(view), size=self.shape))
+                              properties=_properties(view, self.dtype), size=self.shape))
                 for off, view in self._boxes.items()]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
@@ -107,12 +148,12 @@ class ShardView(torch.Tensor):
         return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape) for off, view in self._boxes.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The view of the box at ``index.offset``."""
+        """The view of the box at ``index.offset`` (a deferred segment is materialized now)."""
         view = self._boxes.get(tuple(index.offset) if index.offset is not None else None)
         if view is None:
             raise ValueError(f"ShardView {self._label!r}: this rank holds no box at offset {index.offset} "
                              f"(it holds {list(self._boxes)})")
-        return view
+        return _resolve(view)
 
 
 def _boxes_of(shape: tuple, segments: tuple, name: str) -> dict:
@@ -122,14 +163,43 @@ def _boxes_of(shape: tuple, segments: tuple, name: str) -> dict:
         numel *= d
     boxes: dict = {}
     for start, flat in segments:
-        if flat.dim() != 1:
+        deferred = is_deferred(flat)
+        if not deferred and flat.dim() != 1:
             raise ValueError(f"ShardView {name!r}: a segment must be a 1-D tensor, got shape {tuple(flat.shape)}")
         if numel == 0:  # an empty tensor: one empty box, so the key exists in the checkpoint
-            boxes[(0,) * len(shape)] = flat.narrow(0, 0, 0).view(shape)
+            boxes[(0,) * len(shape)] = torch.empty(shape, dtype=flat.dtype) if deferred else \
+                flat.narrow(0, 0, 0).view(shape)
             continue
         for box in flat_boxes(shape, start, start + flat.numel()):
-            boxes[box.offsets] = flat.narrow(0, box.flat_start - start, box.numel).view(box.sizes)
+            lo = box.flat_start - start
+            boxes[box.offsets] = _Deferred(flat, lo, box.sizes) if deferred else \
+                flat.narrow(0, lo, box.numel).view(box.sizes)
     return boxes
+
+
+def settle(state: Any) -> None:
+    """Settle every deferred segment of the ShardViews in ``state`` (nested dicts and lists)."""
+    if isinstance(state, ShardView):
+        for _, piece in state.segments:
+            if is_deferred(piece):
+                piece.settle()
+    elif isinstance(state, dict):
+        for value in state.values():
+            settle(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            settle(value)
+
+
+def has_deferred(state: Any) -> bool:
+    """True if some ShardView in ``state`` has a deferred segment."""
+    if isinstance(state, ShardView):
+        return any(is_deferred(piece) for _, piece in state.segments)
+    if isinstance(state, dict):
+        return any(has_deferred(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(has_deferred(v) for v in state)
+    return False
 
 
 # ------------------------------------------------------------------ coordination
@@ -184,9 +254,13 @@ def _accepts_kwargs(method: Callable) -> bool:
 def save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
          storage_writer: Optional[dcp.StorageWriter] = None, planner: Optional[dcp.SavePlanner] = None,
          group: GroupArg = None) -> dcp.Metadata:
-    """``dcp.save`` without numpy: the same checkpoint, plans exchanged through ``parts.comm``."""
+    """``dcp.save`` without numpy: the same checkpoint, plans exchanged through ``parts.comm``.
+
+    With deferred segments (shards in a ``DiskStore``) and no ``storage_writer``, DCP's
+    ``FileSystemWriter`` writes one file per item (``single_file_per_rank=False``): with one
+    file per rank it would hold every item it wrote until the file is closed."""
     ranks = _Ranks(group)
-    writer = _writer(storage_writer, checkpoint_id)
+    writer = _writer(storage_writer, checkpoint_id, has_deferred(state_dict))
     planner = planner or dcp.DefaultSavePlanner()
     plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
     metadata: list = []
@@ -215,7 +289,10 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
         writer.finish(metadata=metadata[0], results=results)
         return metadata[0]
 
-    return ranks.central("write", write, finish)
+    try:
+        return ranks.central("write", write, finish)
+    finally:
+        settle(state_dict)
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
@@ -245,7 +322,10 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
     def read() -> None:
         reader.read_data(planner.finish_plan(plans[ranks.rank]), planner).wait()
 
-    ranks.central("read", read, lambda results: None)
+    try:
+        ranks.central("read", read, lambda results: None)
+    finally:
+        settle(state_dict)  # the last stored tensor DCP wrote into goes back to its store
     for k in keys:
         if isinstance(state_dict[k], Stateful):
             state_dict[k].load_state_dict(plain[k])
@@ -253,11 +333,11 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
             state_dict[k] = plain[k]
 
 
-def _writer(writer: Optional[dcp.StorageWriter], checkpoint_id: Any) -> dcp.StorageWriter:
+def _writer(writer: Optional[dcp.StorageWriter], checkpoint_id: Any, deferred: bool) -> dcp.StorageWriter:
     if writer is None:
         if checkpoint_id is None:
             raise ValueError("parts.comm.dcp.save: give checkpoint_id (a directory) or a storage_writer")
-        return dcp.FileSystemWriter(checkpoint_id)
+        return dcp.FileSystemWriter(checkpoint_id, single_file_per_rank=not deferred)
     if checkpoint_id is not None:
         writer.reset(checkpoint_id)
     return writer

@@ -25,6 +25,7 @@ import torch
 
 from parts.base.wrapper import OptimizerWrapper
 from parts.offload import parking
+from parts.offload.lease import Stored
 from parts.offload.plan import plan_chunks
 from parts.offload.store import DiskStore, IOHandle
 
@@ -87,9 +88,8 @@ class OffloadedOptimizer(OptimizerWrapper):
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The full state of ``p`` (offloaded tensors read back into fresh memory)."""
         state = dict(self.optimizer.state.get(p, {}))
-        for name, (shape, dtype) in self._placed.get(id(p), {}).items():
-            state[name] = torch.empty(shape, dtype=dtype)
-            self.store.read(self._key(p, name), state[name]).wait()
+        for name in self._placed.get(id(p), {}):
+            state[name] = self.state_of_key(p, name)
         return state
 
     # ------------------------------------------------------------------------ stepping
@@ -205,18 +205,61 @@ class OffloadedOptimizer(OptimizerWrapper):
     # ------------------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's ``state_dict()`` with the offloaded tensors read back in."""
+        return self._state_dict(lambda p, name, stored: self.state_of_key(p, name))
+
+    def stored_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` with each offloaded tensor as a ``parts.offload.lease.Stored`` (nothing
+        read: a DCP checkpoint reads them one at a time); ``load_state_dict`` takes it back."""
+        return self._state_dict(lambda p, name, stored: stored)
+
+    def stored_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """The state of ``p``: in-memory entries, and offloaded tensors as ``Stored`` (nothing read)."""
+        return {**self.optimizer.state.get(p, {}), **self._stored(p)}
+
+    def _stored(self, p: torch.Tensor) -> dict[str, Stored]:
+        return {name: Stored(self.store, self._key(p, name), shape.numel(), dtype)
+                for name, (shape, dtype) in self._placed.get(id(p), {}).items()}
+
+    def state_of_key(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """Offloaded state tensor ``name`` of ``p``, read into fresh memory."""
+        shape, dtype = self._placed[id(p)][name]
+        out = torch.empty(shape, dtype=dtype)
+        self.store.read(self._key(p, name), out).wait()
+        return out
+
+    def _state_dict(self, offloaded: Callable[[torch.Tensor, str, Stored], Any]) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
         for p in self._params:
-            placed = self._placed.get(id(p))
-            if placed:
+            stored = self._stored(p)
+            if stored:
                 entry = sd["state"].setdefault(self._index[id(p)], {})
-                for name, (shape, dtype) in placed.items():
-                    entry[name] = torch.empty(shape, dtype=dtype)
-                    self.store.read(self._key(p, name), entry[name]).wait()
+                entry.update({name: offloaded(p, name, st) for name, st in stored.items()})
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load as the wrapped optimizer does, then move the state tensors to the store."""
+        """Load as the wrapped optimizer does, then move the state tensors to the store; a ``Stored``
+        entry (from ``stored_state_dict``) must name this optimizer's own key: its bytes stay."""
+        state_dict, kept = self._take_stored(state_dict)
         self.optimizer.load_state_dict(state_dict)
         self._placed.clear()
         self._offload_all()
+        for i, names in kept.items():
+            p = self._params[i]
+            self._placed.setdefault(id(p), {}).update(names)
+
+    def _take_stored(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict]]:
+        """``state_dict`` without its ``Stored`` entries (checked to be this optimizer's own), and
+        ``{index: {name: (shape, dtype)}}`` of those entries."""
+        kept: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
+        state = {i: dict(entry) for i, entry in state_dict.get("state", {}).items()}
+        for i, entry in state.items():
+            for name, value in list(entry.items()):
+                if not isinstance(value, Stored):
+                    continue
+                placed = self._placed.get(id(self._params[i]), {}).get(name) if i < len(self._params) else None
+                if placed is None or value.store is not self.store or value.key != self._key(self._params[i], name):
+                    raise ValueError(f"OffloadedOptimizer.load_state_dict: state {name!r} of tensor #{i} is "
+                                     f"{value!r}, not this optimizer's own stored tensor")
+                kept.setdefault(i, {})[name] = placed
+                del entry[name]
+        return {**state_dict, "state": state}, kept

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from parts.offload.store import DiskStore, IOHandle
 
 __all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "save", "is_resident",
-           "version", "overwrite", "accumulate_grad", "load_grad", "has_grad", "clear_grad"]
+           "version", "overwrite", "replace", "accumulate_grad", "load_grad", "has_grad", "clear_grad"]
 
 _ATTR = "_parts_parked"
 
@@ -174,6 +174,24 @@ def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:
         t.copy_(values)
     save(t).wait()
     drop(t)
+
+
+def replace(t: torch.Tensor, values: torch.Tensor) -> None:
+    """Store ``values`` (flat, ``t``'s dtype and size) as parked ``t``'s bytes without loading ``t``
+    (its memory too, if loaded); counted as a save (``version`` moves)."""
+    record = parked(t)
+    if values.dtype != t.dtype or values.numel() != t.numel():
+        raise ValueError(f"parts.offload: replace of {record.key!r} ({t.numel()} x {t.dtype}) by "
+                         f"{values.numel()} x {values.dtype}")
+    if record.pending is not None:
+        load(t)
+    if record.resident:
+        with torch.no_grad():
+            t.copy_(values.view(t.shape))
+        save(t).wait()
+        return
+    record.version += 1
+    record.store.write(record.key, values.contiguous()).wait()
 
 
 def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True) -> None:

@@ -8,6 +8,10 @@ elements this rank holds: its pieces of the flat groups' master partition (split
 step chunks the wrapped optimizer sees) and its shard of sharded parameters. Views of the
 tensors the optimizer steps: saving copies nothing, loading writes straight into them;
 ``load_sharded_state_dict`` then writes the masters back into the model (all-gathers).
+Over shards on disk (``BF16Optimizer(OffloadedOptimizer(...))``) the masters and the state
+tensors in the store are deferred segments (``parts.offload.lease.Stored``, seen through
+``stored_state`` and ``parts.partition.core.disk``): read when DCP saves them, written there
+when DCP loads them, one at a time.
 """
 
 from __future__ import annotations
@@ -17,9 +21,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from parts.comm.dcp import ShardView
-
-from .state_dict import _is_elementwise
+from parts.comm.dcp import ShardView, is_deferred, same_piece, settle
+from parts.partition.core import disk
 
 if TYPE_CHECKING:
     from .bf16_optimizer import BF16Optimizer
@@ -39,6 +42,23 @@ def _chunk_segments(fg: Any, pc: Any, tensors: list[torch.Tensor]) -> list[tuple
         if lo < hi:
             out.append((pc.start + lo - pc.offset, t.reshape(-1).narrow(0, lo - cs, hi - lo)))
     return out
+
+
+def _elementwise(value: Any, like: Any) -> bool:
+    """A per-element state tensor (in memory or stored) of ``like``'s size."""
+    return (torch.is_tensor(value) or is_deferred(value)) and value.dim() >= 1 and value.numel() == like.numel()
+
+
+def _state_of(inner: Any, target: torch.Tensor) -> dict:
+    """The wrapped optimizer's state of ``target``; an ``OffloadedOptimizer``'s stored tensors as ``Stored``."""
+    stored = getattr(inner, "stored_state", None)
+    return stored(target) if stored is not None else inner.state.get(target, {})
+
+
+def _master(s: Any) -> Any:
+    """A sharded param's fp32 master: the tensor, or (offloaded) its ``Stored`` bytes."""
+    stored = disk.stored(s.master)
+    return s.master if stored is None else stored
 
 
 def _ensure_state(opt: "BF16Optimizer") -> None:
@@ -67,9 +87,9 @@ def _entries(opt: "BF16Optimizer", fqn: dict[int, str]) -> list[tuple[str, torch
     inner, out = opt.optimizer, []
     for g, fg in enumerate(opt.flat_groups):
         if fg is not None:
-            states = [inner.state.get(c, {}) for c in fg.master_chunks]
+            states = [_state_of(inner, c) for c in fg.master_chunks]
             first = states[0] if states else {}
-            keys = [k for k, v in first.items() if _is_elementwise(v, fg.master_chunks[0])]
+            keys = [k for k, v in first.items() if _elementwise(v, fg.master_chunks[0])]
             scalars = {k: v for k, v in first.items() if k not in keys}
             pieces = {pc.index: pc for pc in fg.layout.pieces(opt.rank)}
             for i, p in enumerate(fg.params):
@@ -79,11 +99,11 @@ def _entries(opt: "BF16Optimizer", fqn: dict[int, str]) -> list[tuple[str, torch
                 out.append((fqn.get(id(p), fg.names[i]), p.shape, master, state, scalars, g))
         for s in opt.sharded_groups[g]:
             start, real = s.layout.range(opt.rank)[0], s.real_numel()
-            st = inner.state.get(s.master, {})
-            keys = [k for k, v in st.items() if _is_elementwise(v, s.master)]
+            st = _state_of(inner, s.master)
+            keys = [k for k, v in st.items() if _elementwise(v, s.master)]
             state = {k: [(start, st[k].reshape(-1).narrow(0, 0, real))] for k in keys}
             out.append((fqn.get(id(s.param), s.name), torch.Size(s.shape),
-                        [(start, s.master.narrow(0, 0, real))], state,
+                        [(start, _master(s).narrow(0, 0, real))], state,
                         {k: v for k, v in st.items() if k not in keys}, g))
     return out
 
@@ -144,6 +164,7 @@ def load_sharded_state_dict(opt: "BF16Optimizer", model: nn.Module, state: Mappi
     if not isinstance(state, Mapping) or not {"state", "param_groups", "master"} <= set(state):
         raise ValueError("BF16Optimizer.load_sharded_state_dict: state must be the dict its sharded_state_dict "
                          "returned, filled by dcp.load (keys 'state', 'param_groups', 'master')")
+    settle(dict(state))  # what DCP wrote into stored masters and state goes to their store
     fqn = _fqn_of(model)
     ours = _views(opt, model)  # no sync_masters: loaded masters beat shards loaded just before; the views of our own tensors: loaded values copied in if not them
     for name, view in ours["master"].items():
@@ -162,7 +183,10 @@ def load_sharded_state_dict(opt: "BF16Optimizer", model: nn.Module, state: Mappi
     opt.skipped_steps = int(state.get("skipped_steps", opt.skipped_steps))
     if opt.loss_scaler is not None and state.get("loss_scaler") is not None:
         opt.loss_scaler.load_state_dict(state["loss_scaler"])
+    settle(ours)
     opt.write_back()
+    for sharded in (sp for group in opt.sharded_groups for sp in group if sp.offloaded):
+        sharded.write_back()  # write_back leaves offloaded masters to the step's pipeline: done here
 
 
 def _copy_view(dst: ShardView, src: Any, name: str) -> None:
@@ -173,7 +197,8 @@ def _copy_view(dst: ShardView, src: Any, name: str) -> None:
         raise ValueError(f"BF16Optimizer.load_sharded_state_dict: '{name}' holds other pieces than this "
                          f"optimizer does on this rank: pass what sharded_optimizer_state_dict returned")
     for (_, seg), (_, other) in zip(dst.segments, src.segments):
-        if seg.numel() == 0 or seg.data_ptr() == other.data_ptr():
+        if seg.numel() == 0 or same_piece(seg, other):
             continue
+        values = other.materialize() if is_deferred(other) else other
         with torch.no_grad():
-            seg.copy_(other)
+            (seg.materialize() if is_deferred(seg) else seg).copy_(values)

@@ -17,6 +17,8 @@ optimizer hold) stays. From then on:
   optimizer stepping parked shards raises, it would see no grads);
 * code that rewrites shards (``load_full_state_dict``, ``gathered(modifier_rank=...)``)
   goes through ``rewrite``, which loads, writes and saves back;
+* sharded DCP checkpoints (``sharded_state_dict``) see a parked shard as ``stored(shard)``:
+  read from the store when DCP saves it, written there when DCP loads it, one at a time;
 * a parked shard's version (``parking.version``, bumped by every save) replaces its
   storage pointer in ``shard_version``, so persistent parameters are gathered again after
   an optimizer step, as in memory.
@@ -30,11 +32,12 @@ from typing import Any, Iterator, Optional
 import torch
 
 from parts.offload import parking
+from parts.offload.lease import Stored, stored_of_parked
 from parts.offload.store import DiskStore
 
 __all__ = ["store_of", "park_shard", "load_for_send", "after_send", "parked_version", "clear_grad",
            "accumulate_grad", "rewrite", "read_ahead", "park_master", "peek", "overwrite",
-           "has_grad", "read_grad", "drives_parked"]
+           "has_grad", "read_grad", "drives_parked", "stored"]
 
 READ_AHEAD_FACTOR = 2
 """Disk reads reach this many prefetch windows (``prefetch_bucket_size`` elements) ahead."""
@@ -60,6 +63,11 @@ def after_send(shard: torch.Tensor) -> None:
     """Empty a parked shard once its all-gather landed (its bytes stay in the store)."""
     if parking.parked(shard) is not None:
         parking.drop(shard)
+
+
+def stored(t: torch.Tensor) -> Optional[Stored]:
+    """A parked tensor as a ``Stored`` (a deferred segment of a DCP view; read when DCP asks), or None."""
+    return stored_of_parked(t)
 
 
 def parked_version(shard: torch.Tensor) -> Optional[int]:

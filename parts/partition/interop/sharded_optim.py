@@ -8,6 +8,8 @@ shape over this rank's real elements; scalars (``step``) are replicated values. 
 optimizer with no state yet (just built, about to load) first takes one step with
 learning rate 0 and zero grads, as torch's ``get_optimizer_state_dict`` does, so that
 every state tensor exists for ``dcp.load`` to fill (weights are unchanged by it).
+``OffloadedOptimizer``'s state tensors stay in its store (``stored_state_dict``): their views
+are deferred, read when DCP saves them and written there when DCP loads them, one at a time.
 
 An optimizer with its own layout (``parts.optim.BF16Optimizer``) provides
 ``sharded_state_dict(model)`` / ``load_sharded_state_dict(model, state)`` itself; these
@@ -21,6 +23,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from parts.offload.lease import Stored
 from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
 from parts.partition.interop.sharded_state import shard_view
 
@@ -78,7 +81,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _state_value(value: Any, record: ParamMeta | None, name: str) -> Any:
     """A shard-sized state tensor as a ShardView; anything else (scalars, unsharded state) as it is."""
-    if record is not None and torch.is_tensor(value) and value.dim() >= 1 \
+    if record is not None and (torch.is_tensor(value) or isinstance(value, Stored)) and value.dim() >= 1 \
             and value.numel() == record.layout.shard_numel:
         return shard_view(record, value, name)
     return value
@@ -91,7 +94,8 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
         return optimizer.sharded_state_dict(model)
     fqns = _fqns(model, optimizer, "sharded_optimizer_state_dict")
     init_optimizer_state(optimizer)
-    torch_sd = optimizer.state_dict()  # references to the state tensors (read back, for an offloaded one)
+    stored = getattr(optimizer, "stored_state_dict", None)  # OffloadedOptimizer: nothing read now
+    torch_sd = stored() if stored is not None else optimizer.state_dict()  # references to the state
     state = {}
     for i, (fqn, record) in enumerate(fqns):
         entry = torch_sd["state"].get(i)
@@ -142,6 +146,8 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     if not isinstance(state, Mapping) or "state" not in state or "param_groups" not in state:
         raise ValueError("load_sharded_optimizer_state_dict: state must be the dict sharded_optimizer_state_dict "
                          "returned, filled by dcp.load (keys 'state' and 'param_groups')")
+    from parts.comm.dcp import settle
+    settle(dict(state))  # what DCP wrote into stored state tensors goes to their store
     fqns = _fqns(model, optimizer, "load_sharded_optimizer_state_dict")
     index = {fqn: i for i, (fqn, _) in enumerate(fqns)}
     unknown = sorted(set(state["state"]) - set(index))

@@ -2,7 +2,10 @@
 
 ``sharded_state_dict(model)`` has the keys of ``model.state_dict()``; a sharded parameter's
 value is a ``parts.comm.dcp.ShardView``: the global shape, and this rank's real (unpadded)
-shard elements as row-aligned boxes that are views of the shard itself. Buffers and
+shard elements as row-aligned boxes that are views of the shard itself (a shard on disk,
+``partitioned(remote_device=DiskStore(...))``, is a deferred segment: DCP reads it from the
+store when it writes it and writes it there when it loads it, one shard at a time: see
+``parts.offload.lease``). Buffers and
 unsharded parameters are the module's own tensors (DCP writes a replicated value once).
 ``dcp.save`` (or ``parts.comm.dcp.save`` where numpy is absent) writes one file per rank;
 ``dcp.load`` of the same dict at any world size, FSDP2's included, copies every saved piece
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from parts._compat import incompatible_keys
-from parts.partition.core import points
+from parts.partition.core import disk, points
 from parts.partition.core.gather import gather
 from parts.partition.core.param import ParamMeta, ParamStatus, internal, is_partitioned, meta, metas_sorted
 
@@ -32,14 +35,16 @@ def _dcp():
     return dcp
 
 
-def real_shard(m: ParamMeta, tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """``(flat start, the real elements of the shard-sized 1-D tensor)`` this rank holds of ``m``."""
+def real_shard(m: ParamMeta, tensor: Any) -> tuple[int, Any]:
+    """``(flat start, the real elements of the shard-sized 1-D tensor)`` this rank holds of ``m``
+    (a ``Stored`` shard on disk gives a ``Stored`` range)."""
     start, stop = m.layout.range(m.rank)
     return start, tensor.reshape(-1).narrow(0, 0, stop - start)
 
 
-def shard_view(m: ParamMeta, tensor: torch.Tensor, name: str) -> Any:
-    """A ShardView of the global shape of ``m`` over this rank's part of ``tensor`` (shard-sized)."""
+def shard_view(m: ParamMeta, tensor: Any, name: str) -> Any:
+    """A ShardView of the global shape of ``m`` over this rank's part of ``tensor`` (shard-sized:
+    a tensor, or a ``Stored`` one in a DiskStore)."""
     if tensor.numel() != m.layout.shard_numel:
         raise ValueError(f"{name}: expected {m.layout.shard_numel} elements (the shard of {m.describe()}) "
                          f"on rank {m.rank}, got {tensor.numel()}")
@@ -52,12 +57,10 @@ def _check_module(module: Any, what: str) -> None:
         raise TypeError(f"{what}: expected an nn.Module, got {type(module).__name__}")
 
 
-def _refuse_parked(m: ParamMeta, what: str) -> None:
-    from parts.partition.core import disk
-    if disk.parked_version(m.shard) is not None:
-        raise NotImplementedError(f"{what}: {m.describe()} is a shard on disk (partitioned(remote_device="
-                                  f"DiskStore(...))); sharded DCP checkpoints of disk shards are not "
-                                  f"supported yet: use full_state_dict / load_full_state_dict")
+def own_shard(m: ParamMeta) -> Any:
+    """``m``'s shard: the tensor, or (a shard on disk) its ``Stored`` bytes."""
+    stored = disk.stored(m.shard)
+    return m.shard if stored is None else stored
 
 
 @internal
@@ -67,8 +70,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if is_partitioned(value):
-            _refuse_parked(meta(value), "sharded_state_dict")
-            out[key] = shard_view(meta(value), meta(value).shard, key)
+            out[key] = shard_view(meta(value), own_shard(meta(value)), key)
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach()
         else:
@@ -76,30 +78,32 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     return out
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.numel() == b.numel() and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
-
-
 def _install_param(key: str, p: nn.Parameter, value: Any) -> None:
     """Make ``p``'s shard hold ``value`` (a ShardView DCP filled, or a full tensor)."""
     m = meta(p)
-    start, mine = real_shard(m, m.shard)
+    start, mine = real_shard(m, own_shard(m))
     dcp = _dcp()
     if isinstance(value, dcp.ShardView):
         if tuple(value.shape) != tuple(m.shape):
             raise ValueError(f"load_sharded_state_dict: '{key}' is a view of shape {tuple(value.shape)}, "
                              f"the model's {m.describe()}")
-        for s, seg in value.segments:
-            if s != start or not _same_memory(seg, mine):
-                with torch.no_grad():
-                    _copy_overlap(mine, start, seg, s)
+        foreign = [(s, seg) for s, seg in value.segments if s != start or not dcp.same_piece(seg, mine)]
+        if foreign:  # pieces of other memory (not what DCP filled in place): copied in
+            with torch.no_grad(), disk.rewrite(m.shard):
+                for s, seg in foreign:
+                    _copy_overlap(real_shard(m, m.shard)[1], start, _data(seg), s)
         return
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(m.shape):
         raise ValueError(f"load_sharded_state_dict: '{key}' should be a ShardView from sharded_state_dict "
                          f"or a tensor of shape {tuple(m.shape)}, got {type(value).__name__} "
                          f"{tuple(getattr(value, 'shape', ()))}")
-    with torch.no_grad():
+    with torch.no_grad(), disk.rewrite(m.shard):
+        mine = real_shard(m, m.shard)[1]
         mine.copy_(value.detach().reshape(-1).narrow(0, start, mine.numel()))
+
+
+def _data(piece: Any) -> torch.Tensor:
+    return piece.materialize() if _dcp().is_deferred(piece) else piece
 
 
 def _copy_overlap(dst: torch.Tensor, dst_start: int, src: torch.Tensor, src_start: int) -> None:
@@ -113,7 +117,7 @@ def _install_tensor(key: str, target: torch.Tensor, value: Any) -> None:
     if not isinstance(value, torch.Tensor) or value.shape != target.shape:
         raise ValueError(f"load_sharded_state_dict: '{key}' should be a tensor of shape {tuple(target.shape)}, "
                          f"got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}")
-    if not _same_memory(value, target):
+    if not _dcp().same_piece(value, target):
         with torch.no_grad():
             target.copy_(value)
 
@@ -132,11 +136,11 @@ def load_sharded_state_dict(model: nn.Module, state: Mapping[str, Any], strict: 
         raise RuntimeError(f"load_sharded_state_dict: missing keys {missing}, unexpected keys {unexpected}")
     partitioned = [v for v in own.values() if is_partitioned(v)]
     points.announce(partitioned, "load_sharded_state_dict")
+    _dcp().settle(dict(state))  # what DCP wrote into shards on disk goes to their store
     for key, target in own.items():
         if key not in state or not isinstance(target, torch.Tensor):
             continue
         if is_partitioned(target):
-            _refuse_parked(meta(target), "load_sharded_state_dict")
             _install_param(key, target, state[key])
         else:
             _install_tensor(key, target.detach(), state[key])
