@@ -1,17 +1,19 @@
 """Checkpoint save + load: sharded DCP (every rank its own shard) vs full_state_dict + parts.io.
 
     python benchmarks/bench_checkpoint_dcp.py                              # 25.4M-param GPT, world 2
-    python benchmarks/bench_checkpoint_dcp.py --n-layer 20 --n-embd 2048   # 1.0B params, built sharded
+    python benchmarks/bench_checkpoint_dcp.py --model 1b --rounds 1        # 1.0B params, shards on disk
 
 The GPT of recipes/gpt_model.py is built under ``partitioned()`` (fp32 shards, no rank ever
-holds the whole model) in fresh ``--world-size`` gloo processes. Then, model weights only,
-each method saves and loads back twice (the first round warms imports and thread pools, the
-second is reported): **dcp** = ``sharded_state_dict`` + ``parts.comm.dcp.save`` / ``load`` +
+holds the whole model) in fresh ``--world-size`` gloo processes; with ``--disk`` (implied by
+``--model 1b``: 20 layers x 2048) under ``partitioned(remote_device=DiskStore(...))``, every
+shard in a scratch store on disk, as recipes/train_offload.py builds. Then, model weights
+only, each method saves and loads back ``--rounds`` times (the last round is reported; with
+2, the first warms imports and thread pools): **dcp** = ``sharded_state_dict`` + ``parts.comm.dcp.save`` / ``load`` +
 ``load_sharded_state_dict``; **full** = ``full_state_dict`` (gathers on rank 0) +
 ``parts.io.save`` on rank 0 / ``parts.io.load`` on rank 0 + ``load_full_state_dict``.
 Per rank: wall time, CPU time (user + sys of the process, load-independent) and RSS growth
 over the RSS before the operation (sampled every millisecond). Loads are checked bitwise
-against the saved weights.
+against the saved weights (a fingerprint per shard, read one shard at a time on disk).
 """
 
 from __future__ import annotations
@@ -100,36 +102,60 @@ def full_ops(model, path: str) -> tuple:
     return save, load
 
 
-def _shards(model) -> list[torch.Tensor]:
+def _fingerprints(model) -> list[tuple[int, int]]:
+    """Per shard: (sum, position-weighted sum) of its bits as int32, one shard in memory at a time."""
     from parts.partition import meta
-    return [meta(p).shard.clone() for p in model.parameters()]
+    from parts.partition.core import disk
+    out = []
+    for p in model.parameters():
+        with disk.peek(meta(p).shard):
+            bits = meta(p).shard.view(torch.int32).to(torch.int64)
+            out.append((int(bits.sum()), int((bits * torch.arange(bits.numel()) % 1_000_003).sum())))
+    return out
 
 
-def _worker(rank: int, world: int, port: int, config: GPTConfig, scratch: str, results: dict) -> None:
+def _perturb(model) -> None:
+    """Add 1 to every shard (the load must bring the saved values back)."""
+    from parts.partition import meta
+    from parts.partition.core import disk
+    with torch.no_grad():
+        for p in model.parameters():
+            with disk.rewrite(meta(p).shard):
+                meta(p).shard.add_(1.0)
+
+
+def _build(config: GPTConfig, disk_dir: str, rank: int):
+    """The GPT under partitioned(), its shards in a DiskStore under ``disk_dir`` if given."""
+    from parts.offload import DiskStore
+    from parts.partition import partitioned
+    store = DiskStore(os.path.join(disk_dir, f"rank{rank}")) if disk_dir else None
+    torch.manual_seed(0)
+    with partitioned(remote_device=store):
+        return GPT(config), store
+
+
+def _worker(rank: int, world: int, port: int, config: GPTConfig, scratch: str, results: dict,
+            disk_dir: str, methods: list, rounds: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from parts.observe import set_mmap_threshold
-    from parts.partition import meta, partitioned
     set_mmap_threshold(1 << 20)  # freed buffers leave RSS at once: growth is what is held
-    torch.manual_seed(0)
     started = time.perf_counter()
-    with partitioned():
-        model = GPT(config)
+    model, store = _build(config, disk_dir, rank)
     if rank == 0:
-        print(f"built in {time.perf_counter() - started:.0f} s", flush=True)
-    expected = _shards(model)
+        print(f"built in {time.perf_counter() - started:.0f} s, RSS {_rss() / 2**20:.0f} MiB", flush=True)
+    expected = _fingerprints(model)
     rows = {}
-    for method, ops in (("dcp", dcp_ops), ("full", full_ops)):
-        for attempt in range(2):
+    for method in methods:
+        ops = {"dcp": dcp_ops, "full": full_ops}[method]
+        for attempt in range(rounds):
             path = os.path.join(scratch, f"{method}-{attempt}")
             save, load = ops(model, path)
             saved = measure(save)
-            with torch.no_grad():
-                for p in model.parameters():  # the load must bring the values back
-                    meta(p).shard.add_(1.0)
+            _perturb(model)
             rows[method] = (saved, measure(load))
-            if not all(torch.equal(a, meta(p).shard) for a, p in zip(expected, model.parameters())):
+            if _fingerprints(model) != expected:
                 raise RuntimeError(f"{method}: load did not restore the saved weights on rank {rank}")
             if rank == 0:
                 print(f"{method} round {attempt + 1} done", flush=True)
@@ -137,6 +163,8 @@ def _worker(rank: int, world: int, port: int, config: GPTConfig, scratch: str, r
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
     results[rank] = rows
+    if store is not None:
+        store.close()
     dist.destroy_process_group()
 
 
@@ -149,19 +177,32 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--n-embd", type=int, default=512)
-    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--model", choices=("25m", "1b"), default="25m",
+                        help="25m: 8 x 512 in memory; 1b: 20 x 2048 with its shards on disk (--disk)")
+    parser.add_argument("--n-embd", type=int, default=None)
+    parser.add_argument("--n-layer", type=int, default=None)
+    parser.add_argument("--disk", action="store_true", help="shards in a DiskStore (remote_device)")
+    parser.add_argument("--methods", default="dcp,full", help="comma-separated: dcp, full")
+    parser.add_argument("--rounds", type=int, default=2, help="save+load rounds per method; the last is reported")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
+    big = args.model == "1b"
+    args.n_layer = args.n_layer or (20 if big else 8)
+    args.n_embd = args.n_embd or (2048 if big else 512)
+    args.disk = args.disk or big
     config = GPTConfig(vocab_size=128, block_size=128, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
     params = 12 * args.n_layer * args.n_embd ** 2 + 13 * args.n_layer * args.n_embd + 256 * args.n_embd
-    print(f"GPT ~{params / 1e6:.1f}M params ({params * 4 / 2**20:,.0f} MiB fp32), world {args.world_size}")
+    print(f"GPT ~{params / 1e6:.1f}M params ({params * 4 / 2**20:,.0f} MiB fp32), world {args.world_size}, "
+          f"shards {'on disk' if args.disk else 'in memory'}")
     scratch = args.dir or tempfile.mkdtemp(prefix="bench-dcp-")
     os.makedirs(scratch, exist_ok=True)
+    disk_dir = os.path.join(scratch, "store") if args.disk else ""
+    methods = args.methods.split(",")
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(args.world_size, _free_port(), config, scratch, results), nprocs=args.world_size)
+    mp.spawn(_worker, args=(args.world_size, _free_port(), config, scratch, results, disk_dir, methods, args.rounds),
+             nprocs=args.world_size)
     print(f"\n{'method':<6} {'op':<5} " + "  ".join(f"rank {r}: wall s / CPU s / RSS +MiB" for r in range(args.world_size)))
-    for method in ("dcp", "full"):
+    for method in methods:
         for op, index in (("save", 0), ("load", 1)):
             cells = [results[r][method][index] for r in range(args.world_size)]
             print(f"{method:<6} {op:<5} " + "  ".join(

@@ -191,3 +191,23 @@ def test_disk_save_and_load_hold_one_shard_not_all(tmp_path: Path) -> None:
         assert save <= largest + DCP_OWN_BYTES, f"rank {rank}: RSS grew {save / 2**20:.1f} MiB during a save"
         assert load <= largest + DCP_OWN_BYTES, f"rank {rank}: RSS grew {load / 2**20:.1f} MiB during a load"
     assert len(os.listdir(tmp_path / "ckpt")) > 2 * LAYERS  # one file per item (bounded DCP writer)
+
+
+def test_a_store_lends_one_tensor_per_thread_and_writes_back_only_what_was_written(tmp_path: Path) -> None:
+    from parts.offload import DiskStore
+    from parts.offload.lease import Stored, lease_of
+    with DiskStore(str(tmp_path)) as store:
+        store.write("a", torch.arange(8.0)).wait()
+        store.write("b", torch.arange(8.0, 20.0)).wait()
+        a, b = Stored(store, "a", 8, torch.float32), Stored(store, "b", 12, torch.float32)
+        assert torch.equal(a.narrow(0, 2, 3).materialize(), torch.tensor([2.0, 3.0, 4.0]))
+        assert lease_of(store).held_bytes == 8 * 4
+        written = store.stats.bytes_written
+        b.narrow(0, 10, 2).materialize().copy_(torch.tensor([-1.0, -2.0]))  # a goes back, unwritten
+        assert lease_of(store).held_bytes == 12 * 4 and store.stats.bytes_written == written
+        assert b.materialize().data_ptr() == b.narrow(0, 10, 2).materialize().data_ptr() - 10 * 4
+        b.settle()
+        assert lease_of(store).held_bytes == 0 and store.stats.bytes_written == written + 12 * 4
+        out = torch.empty(12)
+        store.read("b", out).wait()
+        assert out[10:].tolist() == [-1.0, -2.0] and out[:10].tolist() == list(range(8, 18))
