@@ -270,13 +270,8 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def save_rss_growth(path: str) -> int:
-    """Peak RSS growth (sampled every ms) of this rank during the second of two saves."""
-    from parts.comm import dcp as parts_dcp
-    from parts.partition import partitioned, sharded_state_dict
-    with partitioned():
-        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
-    parts_dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path + "-warm")  # imports, pools
+def peak_growth(fn) -> int:
+    """Peak RSS growth (sampled every ms) of this process while ``fn()`` runs."""
     base, peak, done = _rss(), [0], threading.Event()
 
     def sample() -> None:
@@ -287,11 +282,21 @@ def save_rss_growth(path: str) -> int:
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        parts_dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path)
+        fn()
     finally:
         done.set()
         sampler.join()
     return max(peak[0], _rss()) - base
+
+
+def save_rss_growth(path: str) -> int:
+    """Peak RSS growth of this rank during the second of two saves."""
+    from parts.comm import dcp as parts_dcp
+    from parts.partition import partitioned, sharded_state_dict
+    with partitioned():
+        model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+    parts_dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path + "-warm")  # imports, pools
+    return peak_growth(lambda: parts_dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path))
 
 
 def test_save_holds_no_more_than_the_largest_parameter_plus_dcp_buffers(tmp_path: Path) -> None:

@@ -5,15 +5,13 @@ a time; the checkpoints are bitwise those of the in-memory run, across world siz
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from harness import run
-from test_dcp import ROWS, SLOW, _rss
+from test_dcp import ROWS, SLOW, peak_growth
 
 STEPS = 2
 
@@ -134,24 +132,6 @@ LAYERS, WIDTH = 24, 1024  # 25.2M fp32 parameters on disk: 48 MiB of shards per 
 DCP_OWN_BYTES = 16 << 20  # DCP's own buffers, plans and Python objects (as in test_dcp)
 
 
-def _peak_growth(fn) -> int:
-    base, peak, done = _rss(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        sampler.join()
-    return max(peak[0], _rss()) - base
-
-
 def disk_rss_growth(path: str) -> tuple[int, int, bool]:
     """Peak RSS growth of this rank during a DCP save and a load of a model on disk (after a
     warm-up save), and whether the load brought the saved shards back."""
@@ -167,7 +147,7 @@ def disk_rss_growth(path: str) -> tuple[int, int, bool]:
         model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path + "-warm")  # imports, pools
     saved = disk.stored(meta(model[5].weight).shard).read_whole()
-    grown_save = _peak_growth(lambda: dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path))
+    grown_save = peak_growth(lambda: dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path))
     for layer in model:  # the load must bring the values back
         with disk.rewrite(meta(layer.weight).shard):
             meta(layer.weight).shard.zero_()
@@ -176,7 +156,7 @@ def disk_rss_growth(path: str) -> tuple[int, int, bool]:
         state = {"model": sharded_state_dict(model)}
         dcp.load(state, checkpoint_id=path)
         load_sharded_state_dict(model, state["model"])
-    grown_load = _peak_growth(load)
+    grown_load = peak_growth(load)
     back = torch.equal(disk.stored(meta(model[5].weight).shard).read_whole(), saved)
     store.close()
     return grown_save, grown_load, back
