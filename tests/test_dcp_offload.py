@@ -134,7 +134,7 @@ DCP_OWN_BYTES = 16 << 20  # DCP's own buffers, plans and Python objects (as in t
 
 def disk_rss_growth(path: str) -> tuple[int, int, bool]:
     """Peak RSS growth of this rank during a DCP save and a load of a model on disk (after a
-    warm-up save), and whether the load brought the saved shards back."""
+    warm-up save), and whether the load brought every saved shard back."""
     import torch.distributed as dist
     from parts.comm import dcp
     from parts.observe import set_mmap_threshold
@@ -146,7 +146,7 @@ def disk_rss_growth(path: str) -> tuple[int, int, bool]:
     with partitioned(remote_device=store):
         model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path + "-warm")  # imports, pools
-    saved = disk.stored(meta(model[5].weight).shard).read_whole()
+    saved = [disk.stored(meta(layer.weight).shard).read_whole() for layer in model]
     grown_save = peak_growth(lambda: dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path))
     for layer in model:  # the load must bring the values back
         with disk.rewrite(meta(layer.weight).shard):
@@ -157,7 +157,8 @@ def disk_rss_growth(path: str) -> tuple[int, int, bool]:
         dcp.load(state, checkpoint_id=path)
         load_sharded_state_dict(model, state["model"])
     grown_load = peak_growth(load)
-    back = torch.equal(disk.stored(meta(model[5].weight).shard).read_whole(), saved)
+    back = all(torch.equal(disk.stored(meta(layer.weight).shard).read_whole(), values)
+               for layer, values in zip(model, saved))
     store.close()
     return grown_save, grown_load, back
 
