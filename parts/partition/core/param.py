@@ -50,6 +50,7 @@ from parts.partition.core import disk
 from parts.base.layout import ShardLayout
 from parts.partition.core.grad_guard import ATTR as _ATTR
 from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, in_internal, internal
+from parts.partition.core.steps import watch as watch_steps
 
 __all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "ReleasedData", "is_partitioned", "meta", "alloc",
            "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp",
@@ -91,6 +92,7 @@ class ParamMeta:
     full_dtype: Optional[torch.dtype] = None  # dtype of the full tensor gathered last
     shrunk: Optional[torch.Tensor] = field(default=None, repr=False)  # full tensor whose storage
     # ``release(free_storage=True)`` resized to 0; the next gather refills that very storage
+    steps: int = 0  # optimizer steps on the shard (core/steps.py: fused kernels bump no version)
     checker: Any = field(default=None, repr=False)  # weak method a debug coordinator registered
     # (core/points.py): collectives outside its steps over this param are agreed across ranks
 
@@ -180,13 +182,15 @@ def attach_meta(p: nn.Parameter, record: ParamMeta) -> None:
 
 
 def shard_version(record: ParamMeta) -> tuple:
-    """Identity, version counter and storage of the shard: changes when anything writes it."""
+    """Identity, version counter, storage and optimizer steps of the shard: changes when anything
+    writes it (a fused optimizer's step too, though it bumps no version counter)."""
     shard = record.shard
+    watch_steps(shard, record)
     parked = disk.parked_version(shard)
     if parked is not None:  # a shard on disk: its storage comes and goes, its saves are counted
-        return id(shard), parked
+        return id(shard), parked, record.steps
     try:
-        return id(shard), shard._version, shard.data_ptr()
+        return id(shard), shard._version, shard.data_ptr(), record.steps
     except RuntimeError:  # an inference tensor has no version counter: never assume it is current
         return (object(),)
 
