@@ -31,7 +31,7 @@ from parts.base.layout import ShardLayout
 from parts.comm.counter import CommCounter, comm_counter
 from parts.partition.construction.construct import partition_module, partitioned
 from parts.partition.core.gather import GatherHandle, gather, gathered, release
-from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shards
+from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shards, use_shards
 from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, meta
 from parts.partition.core.precision import MixedPrecision
 from parts.partition.core.state_dict import full_state_dict, load_full_state_dict
@@ -49,7 +49,7 @@ __all__ = [
     "partitioned", "partition_module",
     "ParamMeta", "ParamStatus", "is_partitioned", "meta",
     "GatherHandle", "gather", "release", "gathered", "StoragePool",
-    "ReduceHandle", "reduce_scatter_grads", "shards",
+    "ReduceHandle", "reduce_scatter_grads", "shards", "use_shards",
     "full_state_dict", "load_full_state_dict",
     "sharded_state_dict", "load_sharded_state_dict",
     "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict",

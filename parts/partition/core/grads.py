@@ -27,7 +27,7 @@ from parts.comm import GroupArg, reduce_scatter_many
 from parts.partition.core import disk
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
-__all__ = ["ReduceHandle", "reduce_scatter_grads", "shards"]
+__all__ = ["use_shards", "ReduceHandle", "reduce_scatter_grads", "shards"]
 
 _FULL_PRECISION = (torch.float32,)
 
@@ -111,6 +111,19 @@ def _accumulate(m: Any, part: torch.Tensor, accumulate: bool) -> None:
         current.add_(part.to(current.device))
     else:
         current.copy_(part)
+
+
+def use_shards(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Point an optimizer built on ``model.parameters()`` at the shards: every sharded parameter
+    in its param groups becomes its shard (as ``shards`` gives it), group settings kept."""
+    if any(optimizer.state.values()):
+        raise RuntimeError("use_shards: the optimizer already has state (it has stepped or loaded a "
+                           "state dict); call it right after building the optimizer")
+    for group in optimizer.param_groups:
+        sharded = [p for p in group["params"] if is_partitioned(p)]
+        swapped = iter(shards(sharded))
+        group["params"] = [next(swapped) if is_partitioned(p) else p for p in group["params"]]
+    return optimizer
 
 
 def shards(module_or_params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[torch.Tensor]:
