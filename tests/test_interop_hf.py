@@ -35,7 +35,7 @@ def _gpt2_case(folder: str) -> dict:
     try:
         model.resize_token_embeddings(100)
         out["resize"] = "no error"
-    except RuntimeError as err:
+    except RuntimeError as err:  # attached: its coordinator planned over the old params
         out["resize"] = str(err)
     return out
 
@@ -46,7 +46,7 @@ def test_gpt2_loads_pretrained_shards_and_matches(tmp_path):
         assert out["keys"].missing_keys == [] and out["keys"].unexpected_keys == []
         assert torch.equal(out["loss"], out["ref_loss"])
         assert out["n"] == out["ref_n"] > 0
-        assert "resize_token_embeddings" in out["resize"] and "transformer.wte.weight" in out["resize"]
+        assert "resize before attach" in out["resize"] and "transformer.wte.weight" in out["resize"]
 
 
 def _from_pretrained_case(folder: str) -> dict:
@@ -81,4 +81,63 @@ def test_from_pretrained_inside_partitioned_shards_each_weight(tmp_path):
         assert out["sharded"] and out["tied"] and out["keys"]
         assert all(s == (n + 1) // 2 for s, n in zip(out["shard_sizes"], out["full_sizes"]))
         assert out["equal"] == []
+        assert torch.equal(out["loss"], out["ref_loss"])
+
+
+def _resize_model(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":  # untied head: a new nn.Linear replaces lm_head
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=97,
+                                       max_position_embeddings=32, tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM(cfg)
+    return transformers.GPT2LMHeadModel(_config())
+
+
+def _resize_case(kind: str, where: str, size: dict) -> dict:
+    import torch.distributed as dist
+    from parts.partition import attach, full_state_dict, meta, partition_module, partitioned
+    rank = dist.get_rank()
+    ref = _resize_model(kind)
+    torch.manual_seed(7)
+    ref.resize_token_embeddings(**size)
+    with partitioned(enabled=where != "partition_module"):
+        model = _resize_model(kind)
+        if where == "inside":
+            torch.manual_seed(7 + rank)  # each rank draws its own new rows: rank 0's are kept
+            model.resize_token_embeddings(**size)
+    if where == "partition_module":
+        partition_module(model)
+    if where != "inside":
+        torch.manual_seed(7 + rank)
+        model.resize_token_embeddings(**size)
+    full, ref_sd = full_state_dict(model, rank0_only=False), ref.state_dict()
+    emb = model.get_input_embeddings().weight
+    attach(model)
+    model.eval(), ref.eval()
+    x = torch.arange(ref.config.vocab_size - 16, ref.config.vocab_size).view(2, 8)  # new tokens too
+    with torch.no_grad():
+        loss, ref_loss = model(input_ids=x, labels=x).loss, ref(input_ids=x, labels=x).loss
+    return dict(keys=sorted(full) == sorted(ref_sd), unequal=[k for k in ref_sd if not torch.equal(full[k], ref_sd[k])],
+                shape=tuple(meta(emb).shape), ref_shape=tuple(ref.get_input_embeddings().weight.shape),
+                vocab=model.config.vocab_size, ref_vocab=ref.config.vocab_size,
+                tied=model.get_output_embeddings().weight is emb, ref_tied=ref.get_output_embeddings().weight
+                is ref.get_input_embeddings().weight, loss=loss, ref_loss=ref_loss)
+
+
+@pytest.mark.parametrize("kind,where,size", [
+    ("gpt2", "inside", dict(new_num_tokens=103)),  # mean_resizing (HF's default): a sampled normal
+    ("gpt2", "outside", dict(new_num_tokens=103)),
+    ("gpt2", "partition_module", dict(new_num_tokens=90)),  # shrinking keeps the first 90 rows
+    ("llama", "inside", dict(new_num_tokens=100, pad_to_multiple_of=8, mean_resizing=False)),
+    ("llama", "partition_module", dict(new_num_tokens=101)),
+])
+def test_resize_token_embeddings_equals_the_plain_resize(kind, where, size):
+    # the same HF code on the same full tensors, new rows drawn with rank 0's RNG state: every
+    # weight bitwise equal to the plain model resized with that state, tying kept; the eval
+    # loss (fp32, same weights) is bitwise equal too
+    for out in run(2, _resize_case, kind, where, size):
+        assert out["keys"] and out["unequal"] == [], out["unequal"]
+        assert out["shape"] == out["ref_shape"] and out["vocab"] == out["ref_vocab"] == out["ref_shape"][0]
+        assert out["tied"] == out["ref_tied"] == (kind == "gpt2")
         assert torch.equal(out["loss"], out["ref_loss"])

@@ -36,7 +36,8 @@ from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, m
 from parts.partition.core.precision import MixedPrecision
 from parts.partition.core.state_dict import full_state_dict, load_full_state_dict
 from parts.partition.core.storage_pool import StoragePool
-from parts.partition.interop import clip_grad_norm_, grad_norm, load_pretrained, num_parameters
+from parts.partition.interop import (clip_grad_norm_, grad_norm, load_pretrained, num_parameters,
+                                     resize_token_embeddings)
 from parts.partition.coordinator.compiled import compile_blocks, uncompile_blocks
 from parts.partition.interop.sharded_optim import (load_sharded_optimizer_state_dict,
                                                    sharded_optimizer_state_dict)
@@ -56,6 +57,6 @@ __all__ = [
     "CommCounter", "comm_counter",
     "FetchCoordinator", "attach", "detach", "register_external_parameter",
     "RankDivergence", "CoordinatorStats", "MixedPrecision",
-    "clip_grad_norm_", "grad_norm", "load_pretrained", "num_parameters",
+    "clip_grad_norm_", "grad_norm", "load_pretrained", "num_parameters", "resize_token_embeddings",
     "compile_blocks", "uncompile_blocks",
 ]

@@ -45,7 +45,7 @@ from parts.comm import GroupArg, GroupInfo, broadcast, resolve_group
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
-__all__ = ["partitioned", "partition_module"]
+__all__ = ["partitioned", "partition_module", "shard_new"]
 
 _SPEC, _DISABLED, _NAME, _HOOK = "_parts_spec", "_parts_disabled", "_parts_name", "_parts_check_hook"
 
@@ -126,6 +126,15 @@ def _adopt(module: nn.Module, spec: ShardSpec) -> None:
     todo = [(q, p) for q, _, mod, p in _owned(module)
             if not is_partitioned(p) and not mod.__dict__.get(_DISABLED) and not p.is_meta]
     shard_params(todo, spec)
+    _name_records(module)
+    _sync_buffers(module, spec.info)
+    # interop builds on construction, so it is imported here, not at the top
+    from parts.partition.interop.resize import install_resize
+    install_resize(module.modules())
+
+
+def _name_records(module: nn.Module) -> None:
+    """Name every module and sharded param's record after its place in ``module``; add checks."""
     for mod_name, mod in module.named_modules():
         mod.__dict__[_NAME] = mod_name
     for qname, mod_name, mod, p in _owned(module):
@@ -133,7 +142,14 @@ def _adopt(module: nn.Module, spec: ShardSpec) -> None:
             m = meta(p)
             m.name, m.module_name, m.module_type = qname, mod_name, type(mod).__name__
             _add_hooks(mod)
-    _sync_buffers(module, spec.info)
+
+
+@internal
+def shard_new(module: nn.Module, params: list[nn.Parameter], spec: ShardSpec) -> None:
+    """Shard ``params`` (unsharded params of ``module``; rank 0's values), named as ``_adopt`` does."""
+    names = {id(p): q for q, _, _, p in _owned(module)}
+    shard_params([(names[id(p)], p) for p in params], spec)
+    _name_records(module)
 
 
 def _sync_buffers(module: nn.Module, info: GroupInfo) -> None:

@@ -87,8 +87,10 @@ def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
         raise RuntimeError(
             f"parts.partition: {record.describe()} is sharded over {record.world_size} rank(s); "
             f"`p.data = <tensor of shape {tuple(value.shape)}>` would replace it behind its shards "
-            f"(e.g. resize_token_embeddings). Build the model at the new size under "
-            f"parts.partition.partitioned() and load the weights with load_full_state_dict")
+            f"(Hugging Face's resize_token_embeddings works on a model built under partitioned() "
+            f"or partition_module, before attach: parts.partition.resize_token_embeddings). Build "
+            f"the model at the new size under partitioned() and load the weights with "
+            f"load_full_state_dict")
     _raw_data.__set__(p, value)
 
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from parts.partition.core.param import is_partitioned, meta
-from parts.partition.interop.overrides import install_method, remove_method
+from parts.partition.interop.overrides import install_method, installed, remove_method
 
-__all__ = ["install_apply", "remove_apply"]
+__all__ = ["install_apply", "remove_apply", "is_attached"]
 
 
 def _check_params(module: nn.Module, fn: Callable, recurse: bool) -> None:
@@ -59,3 +59,8 @@ def install_apply(modules: Iterable[nn.Module]) -> None:
 def remove_apply(modules: Iterable[nn.Module]) -> None:
     """Undo ``install_apply``."""
     remove_method(modules, "_apply", _apply)
+
+
+def is_attached(module: nn.Module) -> bool:
+    """True if ``attach`` gave ``module`` (or a submodule) its ``_apply``: a coordinator hooks it."""
+    return installed(module.modules(), "_apply", _apply)

@@ -22,3 +22,8 @@ def remove_method(modules: Iterable[nn.Module], name: str, function: Callable) -
         bound = sub.__dict__.get(name)
         if getattr(bound, "__func__", None) is function:
             del sub.__dict__[name]
+
+
+def installed(modules: Iterable[nn.Module], name: str, function: Callable) -> bool:
+    """True if any of ``modules`` has ``function`` bound as ``module.<name>`` by ``install_method``."""
+    return any(getattr(sub.__dict__.get(name), "__func__", None) is function for sub in modules)
