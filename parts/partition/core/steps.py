@@ -5,11 +5,12 @@ was gathered. Fused optimizer kernels (``torch.optim.AdamW(..., fused=True)``, A
 Hugging Face ``Trainer``'s default ``adamw_torch_fused``) write the shards in place without
 bumping their version counters, so the persistent parameters (and any parameter left
 gathered) would silently keep their pre-step values. So every shard whose version is taken
-carries a weak link to its record, and one process-wide optimizer step post-hook (torch's
+is linked to its record (a weak-keyed lookup: nothing is stored on the tensor, which must
+stay picklable), and one process-wide optimizer step post-hook (torch's
 ``register_optimizer_step_post_hook``, registered the first time a version is taken) adds 1
-to ``record.steps`` of every such shard in the stepped optimizer's param groups; the version
-includes that count. The hook only reads ``param_groups``: a few dict lookups per parameter
-per step, for every optimizer of the process.
+to ``record.steps`` of every linked shard in the stepped optimizer's param groups; the
+version includes that count. The hook only reads ``param_groups``: one lookup per
+parameter per step, for every optimizer of the process.
 """
 
 from __future__ import annotations
@@ -19,19 +20,21 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["watch"]
 
-_LINK = "_parts_record"
+_links = WeakIdKeyDictionary()
+"""Shard -> weak reference to its record. Process-wide because the hook below is; it
+configures nothing and forgets shards (keys) and records (values) that are gone."""
 _hook: dict[str, Any] = {"handle": None}
-"""Process-wide because torch's optimizer step hooks are: the one registration, configuring nothing."""
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Count one step on the record of every linked shard ``optimizer`` holds."""
     for group in optimizer.param_groups:
         for t in group["params"]:
-            link = getattr(t, "__dict__", {}).get(_LINK)
+            link = _links.get(t)
             record = link() if link is not None else None
             if record is not None:
                 record.steps += 1
@@ -39,9 +42,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 def watch(shard: torch.Tensor, record: Any) -> None:
     """Link ``shard`` to ``record`` (optimizer steps on it count in ``record.steps``)."""
-    link = shard.__dict__.get(_LINK)
+    link = _links.get(shard)
     if link is None or link() is not record:
-        shard.__dict__[_LINK] = weakref.ref(record)
+        _links[shard] = weakref.ref(record)
     if _hook["handle"] is None:
         _hook["handle"] = register_optimizer_step_post_hook(_after_step)
-
