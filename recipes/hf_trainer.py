@@ -45,8 +45,8 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from parts.comm import broadcast_object
-from parts.partition import (attach, clip_grad_norm_, full_state_dict, grad_norm, partitioned,
-                             use_shards)
+from parts.partition import attach, clip_grad_norm_, full_state_dict, partitioned, use_shards
+from parts.partition import grad_norm as global_grad_norm
 
 
 class PartsTrainer(Trainer):
@@ -65,19 +65,18 @@ class PartsTrainer(Trainer):
         return use_shards(super().create_optimizer(model))
 
     def _clip_grad_norm(self, model):
+        """Clip by the global norm over every rank's grad shards; return that norm."""
         return clip_grad_norm_(model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        return float(grad_norm if grad_norm is not None else _global_norm(model))
+        """The logged grad norm: the clipped one, else the global norm (no clipping)."""
+        return float(grad_norm if grad_norm is not None else global_grad_norm(model))
 
     def save_model(self, output_dir=None, _internal_call=False):
         """``save_pretrained`` of the consolidated weights, on rank 0."""
         state = full_state_dict(self.model)
         if self.args.should_save:
             self.model.save_pretrained(output_dir or self.args.output_dir, state_dict=state)
-
-
-_global_norm = grad_norm
 
 
 def parse_args() -> argparse.Namespace:
