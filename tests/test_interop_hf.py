@@ -141,3 +141,26 @@ def test_resize_token_embeddings_equals_the_plain_resize(kind, where, size):
         assert out["shape"] == out["ref_shape"] and out["vocab"] == out["ref_vocab"] == out["ref_shape"][0]
         assert out["tied"] == out["ref_tied"] == (kind == "gpt2")
         assert torch.equal(out["loss"], out["ref_loss"])
+
+
+def _resize_pretrained_case(folder: str) -> list:
+    import torch.distributed as dist
+    from parts.partition import full_state_dict, partitioned
+    torch.manual_seed(0)
+    ref = transformers.GPT2LMHeadModel(_config())
+    if dist.get_rank() == 0:
+        ref.save_pretrained(folder)
+    dist.barrier()
+    with partitioned():
+        model = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    torch.manual_seed(7 + dist.get_rank())
+    model.resize_token_embeddings(110, mean_resizing=False)
+    torch.manual_seed(7)
+    ref.resize_token_embeddings(110, mean_resizing=False)
+    full, ref_sd = full_state_dict(model, rank0_only=False), ref.state_dict()
+    return [k for k in ref_sd if not torch.equal(full[k], ref_sd[k])] + ([] if sorted(full) == sorted(ref_sd) else ["keys"])
+
+
+def test_resize_after_from_pretrained_inside_partitioned(tmp_path):
+    # the model transformers built on meta under partitioned() gets the sharded resize too
+    assert run(2, _resize_pretrained_case, str(tmp_path)) == [[], []]
