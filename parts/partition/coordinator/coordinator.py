@@ -97,8 +97,8 @@ class FetchCoordinator:
     (``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
     """
 
-    def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 50_000_000,
-                 max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
+    def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
+                 max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,
                  persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
                  overlap_comm: bool = True, debug: bool = False,
                  reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
