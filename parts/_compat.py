@@ -77,9 +77,10 @@ def on_backward_end(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def default_torch_function(func: Callable, types: Any, args: tuple, kwargs: dict) -> Any:
-    """What ``torch.Tensor.__torch_function__`` does without subclass handling (plain dispatch)."""
-    return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+default_torch_function: Callable[[Callable, Any, tuple, dict], Any] = torch._C._disabled_torch_function_impl
+"""``default_torch_function(func, types, args, kwargs)``: what ``torch.Tensor.__torch_function__``
+does without subclass handling (plain dispatch); torch's own function, so a subclass's
+``__torch_function__`` (every op on a grad shard) pays no extra Python frame."""
 
 
 def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:

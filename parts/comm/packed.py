@@ -48,14 +48,6 @@ def split_small(chunk_numels: Sequence[int], dtypes: Sequence[torch.dtype],
     return packed, [i for i in range(len(chunk_numels)) if i not in chosen]
 
 
-def _offsets(numels: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for n in numels:
-        out.append(total)
-        total += n
-    return out
-
-
 class PackedAllGather:
     """All-gather of chunks ``ins`` (1-D) into ``outs`` (1-D, ``w * len(in)`` each) as one flat
     collective: ``send``/``recv`` are the buffers to move, ``finish()`` unpacks."""
@@ -63,15 +55,14 @@ class PackedAllGather:
     def __init__(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], world: int) -> None:
         self.outs, self.world = list(outs), world
         self.numels = [t.numel() for t in ins]
-        self.offsets = _offsets(self.numels)
         self.send = torch.cat([t.reshape(-1) for t in ins])
         self.recv = torch.empty(world * self.send.numel(), dtype=self.send.dtype, device=self.send.device)
 
     def finish(self) -> None:
         """Copy every rank's chunk of every tensor from the flat receive buffer into ``outs``."""
-        rows = self.recv.view(self.world, -1)
-        for out, offset, n in zip(self.outs, self.offsets, self.numels):
-            out.view(self.world, n).copy_(rows[:, offset:offset + n])
+        rows = self.recv.view(self.world, -1)  # one native copy into every out (no Python loop)
+        torch.split_with_sizes_copy(rows, self.numels, dim=1,
+                                    out=[out.view(self.world, n) for out, n in zip(self.outs, self.numels)])
         self.recv = self.send = None
 
 
@@ -82,19 +73,16 @@ class PackedReduceScatter:
     def __init__(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], world: int) -> None:
         self.outs = list(outs)
         self.numels = [t.numel() for t in outs]
-        self.offsets = _offsets(self.numels)
         total = sum(self.numels)
         first = ins[0]
-        self.send = torch.empty(world, total, dtype=first.dtype, device=first.device)
-        for t, offset, n in zip(ins, self.offsets, self.numels):
-            self.send[:, offset:offset + n].copy_(t.view(world, n))
-        self.send = self.send.view(-1)
+        send = torch.empty(world, total, dtype=first.dtype, device=first.device)
+        torch.cat([t.view(world, n) for t, n in zip(ins, self.numels)], dim=1, out=send)
+        self.send = send.view(-1)
         self.recv = torch.empty(total, dtype=first.dtype, device=first.device)
 
     def finish(self) -> None:
         """Copy this rank's reduced chunk of every tensor into ``outs``."""
-        for out, offset, n in zip(self.outs, self.offsets, self.numels):
-            out.copy_(self.recv[offset:offset + n])
+        torch.split_with_sizes_copy(self.recv, self.numels, out=self.outs)
         self.recv = self.send = None
 
 

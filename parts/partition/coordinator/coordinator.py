@@ -41,7 +41,6 @@ from parts._compat import in_backward, on_backward_end
 from parts.base.weak import weak_method
 from parts.comm import GroupArg
 from parts.partition.core.grad_guard import raw_grad
-from parts.partition.interop.buffers import broadcast_buffers
 from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.checks import check_group, check_sharded
@@ -51,10 +50,11 @@ from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.prefetch import Prefetcher
 from parts.partition.coordinator.reduce import GradReducer
-from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, freeze
+from parts.partition.coordinator.stats import CoordinatorStats, StepCounters
 from parts.partition.coordinator.step import ModuleCall, StepState
+from parts.partition.coordinator.steps import Steps
 from parts.partition.coordinator.table import ParamTable
-from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name, trace_digest
+from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name
 from parts.partition.core import points
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
@@ -70,7 +70,7 @@ class _Pieces:
     """The named pieces of an attached coordinator, each holding its own state."""
 
     def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg,
-                 precision: Optional[MixedPrecision]) -> None:
+                 precision: Optional[MixedPrecision], sync_buffers: bool) -> None:
         self.counters = StepCounters()
         self.table = ParamTable(module, knobs)
         self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group))
@@ -78,6 +78,8 @@ class _Pieces:
         self.prefetcher = Prefetcher(self.table, self.live, knobs, self.check, self.counters)
         self.reducer = GradReducer(self.table, knobs, group, self.check, self.counters,
                                    precision.reduce_dtype if precision else torch.float32)
+        self.steps = Steps(module, self.table, self.live, self.prefetcher, self.check, self.counters,
+                           sync_buffers)
 
 
 class FetchCoordinator:
@@ -86,7 +88,8 @@ class FetchCoordinator:
     The hooks and the step lifecycle live here; the state in pieces built at ``attach``:
     ``table`` (modules, units, parameters, persistence), ``live`` (gathered parameters, use
     counts, budget, storage pool), ``prefetcher`` (traces, plan, prefetch gathers) and
-    ``reducer`` (grad buckets, reduce-scatters). The element-count knobs are ``plan.Knobs``.
+    ``reducer`` (grad buckets, reduce-scatters), ``steps`` (each phase's step in progress, how
+    steps begin and end: steps.py). The element-count knobs are ``plan.Knobs``.
     ``mixed_precision``: a ``MixedPrecision`` policy (fp32 shards gathered as ``param_dtype``,
     grads reduce-scattered in ``reduce_dtype``; core/precision.py).
     ``sync_buffers`` (default True, DDP's ``broadcast_buffers``): rank 0's buffers are broadcast
@@ -94,8 +97,8 @@ class FetchCoordinator:
     (``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
     """
 
-    def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 50_000_000,
-                 max_reuse_distance: int = 1_000_000_000, max_live_parameters: int = 1_000_000_000,
+    def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
+                 max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,
                  persistence_threshold: int = 100_000, model_persistence_threshold: int = sys.maxsize,
                  overlap_comm: bool = True, debug: bool = False,
                  reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
@@ -110,7 +113,7 @@ class FetchCoordinator:
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
                            reduce_bucket_size, cache_freed_storage, fetch_unit_size)
         self._root: Optional[nn.Module] = None
-        self._last: Optional[CoordinatorStats] = None
+        self._last: Optional[CoordinatorStats] = None  # the stats of a detached coordinator's last step
 
     # ----------------------------------------------------------------- attach / detach
     def attach(self, module: nn.Module) -> "FetchCoordinator":
@@ -123,9 +126,10 @@ class FetchCoordinator:
         self._root = module
         if self.mixed_precision is not None:  # compute dtypes on the records: gathers and grads cast
             self._undo_precision = apply_mixed_precision(module, self.mixed_precision)
-        pieces = _Pieces(module, self.knobs, self.group, self.mixed_precision)
+        pieces = _Pieces(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers)
         self.table, self.live, self.prefetcher = pieces.table, pieces.live, pieces.prefetcher
         self.reducer, self.check, self.counters = pieces.reducer, pieces.check, pieces.counters
+        self.steps = pieces.steps
         self._setup_lifecycle()
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
@@ -137,7 +141,7 @@ class FetchCoordinator:
         for sub in self.table.modules:
             _attached[sub] = self
         if self.knobs.debug:
-            self._checker = weakref.WeakMethod(self._outside)
+            self._checker = weakref.WeakMethod(self.steps.outside)
             points.register(self._records(), self._checker)
         install_zero_grad(self.table.modules)
         install_apply(self.table.modules)
@@ -145,10 +149,6 @@ class FetchCoordinator:
 
     def _records(self) -> list:
         return [meta(p) for p in self.table.params.values()]
-
-    def _outside(self, what: str) -> None:
-        """Debug mode: agree with every rank on a collective outside a step, and on steps begun."""
-        self.check.outside(what, sum(self._phase_steps.values()), self._phase_steps.get("train", 0))
 
     def detach(self) -> None:
         """Remove every hook; parameters stay sharded (use ``gathered`` to read them)."""
@@ -159,7 +159,7 @@ class FetchCoordinator:
                                f"{[self.table.names[c.index] for c in self._stack]} are running)")
         self.reducer.wait()
         if self.knobs.debug:
-            self._outside("detach")
+            self.steps.outside("detach")
             points.unregister(self._records(), self._checker)
         for hooks in self._hooks.values():
             hooks.remove()
@@ -174,19 +174,14 @@ class FetchCoordinator:
         for sub in self.table.modules:
             if _attached.get(sub) is self:
                 del _attached[sub]
-        self._root = None
+        self._root, self._last = None, self.steps.last
 
     def _setup_lifecycle(self) -> None:
         self._hooks: dict[int, ModuleHooks] = {}
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._steps: dict[str, StepState] = {}
-        self._phase_steps: dict[str, int] = {}  # steps begun per phase (debug mode names them)
         self._stack: list[ModuleCall] = []
         self._bwd_phase: Optional[str] = None
         self._bwd_creates_graph = False
-        self._misses = 0
-        self._steps_done = 0
-        self._buffers_dirty = True
         self._units: dict[int, int] = {}  # submodule index -> its fused block's (compiled.py)
 
     def _hook(self, index: int) -> None:
@@ -229,14 +224,14 @@ class FetchCoordinator:
             return
         self._add_external(call.index, pid)
         call.ids.append(pid)
-        self.check.point(self._steps.get(call.phase), "external", call.index, [pid])
+        self.check.point(self.steps.get(call.phase), "external", call.index, [pid])
         self.live.gather([pid], async_op=False)
         self.live.use([pid])
 
     # ----------------------------------------------------------------------- fetch
     def _fetch(self, call: ModuleCall, kind: str) -> None:
         """Gather what ``call`` needs (releasing idle params to fit the budget), then prefetch."""
-        step = self._steps[call.phase]
+        step = self.steps.current[call.phase]
         self.prefetcher.observe(step, kind, call.index)
         self.check.point(step, kind, call.index)
         self.live.make_room(set(call.ids), step)
@@ -252,55 +247,16 @@ class FetchCoordinator:
         if in_backward() and self._bwd_phase is not None:
             return self._bwd_phase
         phase = phase_name(module.training, torch.is_grad_enabled())
-        if not self.prefetcher.book.active(phase):
-            self._begin_step(phase)
+        if not self.steps.active(phase):
+            self.steps.begin(phase)
         if not in_backward():
             self.live.forwards += 1
         return phase
 
-    def _begin_step(self, phase: str) -> None:
-        self.prefetcher.book.begin(phase)
-        number = self._phase_steps.get(phase, 0)
-        self._phase_steps[phase] = number + 1
-        self._steps[phase] = StepState(phase, number=number)
-        self._sync_buffers(phase)
-        self._refresh_persistent(phase)
-
-    def _sync_buffers(self, phase: str) -> None:
-        """Rank 0's buffers to every rank at a train-mode step and the first step after one."""
-        if self.sync_buffers and self.table.records and (self._buffers_dirty or phase.startswith("train")):
-            broadcast_buffers(self._root, next(iter(self.table.records.values())).info)
-            self._buffers_dirty = phase.startswith("train")  # train mode updates buffers
-
-    def _refresh_persistent(self, phase: str) -> None:
-        """Gather the persistent params that need it in one (async) collective at a step's start:
-        those not gathered, and, in place, those whose shard an optimizer stepped since. The
-        decision is local (every rank steps its shards of the same params); ``debug`` checks it."""
-        todo, stale = self.live.persistent_to_gather()
-        self.check.point(self._steps[phase], "start", ids=sorted(todo + stale))
-        self.live.refresh_persistent(todo, stale)
-
-    def _end_step(self, phase: str) -> None:
-        step = self._steps.pop(phase)
-        record = self.prefetcher.book.end(phase)
-        digest = trace_digest(record.events, self.table.names)
-        self.check.point(step, "end", digest=int(digest, 16))
-        self.live.end_step()
-        self.prefetcher.prefetched.clear()
-        self._misses += record.outcome == "diverged"
-        self._steps_done += 1
-        pool = self.live.pool
-        self._last = freeze(self.counters, steps=self._steps_done, phase=phase,
-                            trace_outcome=record.outcome, trace_events=len(record.events),
-                            trace_digest=digest, trace_misses=self._misses,
-                            persistent_params=len(self.table.persistent),
-                            persistent_elements=self.table.persistent_elements(),
-                            cached_bytes=pool.cached_bytes if pool else 0)
-        self.counters.reset()
-
     def stats(self) -> Optional[CoordinatorStats]:
         """Counters of the last finished step (None before the first one ends)."""
-        return self._last
+        last = self.steps.last if self._root is not None else None
+        return last if last is not None else self._last
 
     # ---------------------------------------------------------------- forward hooks
     def _pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
@@ -323,7 +279,7 @@ class FetchCoordinator:
         call = self._pop(index)
         if call is None:
             return
-        step = self._steps.get(call.phase)
+        step = self.steps.get(call.phase)
         self.live.done_with(call.ids, step)
         if step is None or self._stack or in_backward():
             # in backward (a recompute): the hooks serve a reentrant checkpoint's inner backward
@@ -331,30 +287,23 @@ class FetchCoordinator:
                 self._hook_backward(call, step, output)
             return
         if sys.exc_info()[0] is not None:  # the forward raised: no collective on the way out
-            self._abandon_step(call.phase)
+            self.steps.abandon(call.phase)
             return
         if output is not None and torch.is_grad_enabled():
             self._hook_backward(call, step, output)
         if not step.pending_backward:
-            self._end_step(call.phase)
+            self.steps.end(call.phase)
 
     def _hook_backward(self, call: ModuleCall, step: StepState, output: Any) -> None:
         fire = partial(self._pre_backward, call.index, call.phase)
         step.pending_backward |= register_pre_backward(output, fire)
-
-    def _abandon_step(self, phase: str) -> None:
-        """Forget the step of ``phase`` after an error; release what it held, locally only."""
-        self._steps.pop(phase, None)
-        self.prefetcher.book.abandon(phase)
-        self.live.release(self.live.idle())
-        self.counters.reset()
 
     def _pop(self, index: int) -> Optional[ModuleCall]:
         for k in range(len(self._stack) - 1, -1, -1):
             if self._stack[k].index == index:
                 call = self._stack.pop(k)
                 for dropped in self._stack[k:]:  # aborted inner calls (e.g. checkpoint early stop)
-                    self.live.done_with(dropped.ids, self._steps.get(dropped.phase))
+                    self.live.done_with(dropped.ids, self.steps.get(dropped.phase))
                 del self._stack[k:]
                 return call
         return None
@@ -376,8 +325,8 @@ class FetchCoordinator:
         self._bwd_phase = phase
         self._bwd_creates_graph = torch.is_grad_enabled()
         self.live.backwards += 1
-        if not self.prefetcher.book.active(phase):
-            self._begin_step(phase)
+        if not self.steps.active(phase):
+            self.steps.begin(phase)
         on_backward_end(self._end_backward)
 
     def _post_accumulate(self, p: nn.Parameter) -> None:
@@ -387,7 +336,7 @@ class FetchCoordinator:
             return
         self._enter_backward(self._bwd_phase or phase_name(True, True))
         pid = self.table.pid(p)
-        step = self._steps.get(self._bwd_phase)
+        step = self.steps.get(self._bwd_phase)
         self.live.grad_complete(pid, step)
         if raw_grad(p) is not None:
             self.reducer.grad_ready(p, pid, step)
@@ -396,12 +345,12 @@ class FetchCoordinator:
         phase, self._bwd_phase = self._bwd_phase, None
         if self._root is None:
             return
-        self.reducer.flush(self._steps.get(phase))
+        self.reducer.flush(self.steps.get(phase))
         if not self._bwd_creates_graph:
             self.live.drop_graph_holds()
         self.live.end_backward()
-        if phase in self._steps:
-            self._end_step(phase)
+        if phase in self.steps.current:
+            self.steps.end(phase)
 
 
 def attached_to(module: nn.Module) -> Optional[FetchCoordinator]:

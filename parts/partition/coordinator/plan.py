@@ -54,8 +54,8 @@ class Knobs:
     submodule fetches its own parameters.
     """
 
-    prefetch_bucket_size: int = 50_000_000
-    max_reuse_distance: int = 1_000_000_000
+    prefetch_bucket_size: int = 5_000_000
+    max_reuse_distance: int = 5_000_000
     max_live_parameters: int = 1_000_000_000
     persistence_threshold: int = 100_000
     model_persistence_threshold: int = sys.maxsize

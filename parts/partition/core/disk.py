@@ -53,10 +53,12 @@ def park_shard(shard: torch.Tensor, store: DiskStore, pid: int) -> None:
     parking.park(shard, store, f"shard/{pid}")
 
 
-def load_for_send(shard: torch.Tensor) -> None:
-    """Make a parked shard's bytes present before its all-gather (no-op for others)."""
-    if parking.parked(shard) is not None:
-        parking.load(shard)
+def load_for_send(shard: torch.Tensor) -> bool:
+    """Make a parked shard's bytes present before its all-gather (no-op for others); True if parked."""
+    if parking.parked(shard) is None:
+        return False
+    parking.load(shard)
+    return True
 
 
 def after_send(shard: torch.Tensor) -> None:

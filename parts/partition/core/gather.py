@@ -72,21 +72,27 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
     """Start the all-gather of every shard straight into its full tensor; the handle finishes.
     With ``compute`` each shard is cast to its policy's compute dtype *before* the collective,
     so the wire carries (and the full tensor holds) that dtype."""
-    sends, fulls = [], []
+    sends, fulls, parked = [], [], []
     for p, m in pairs:
         current = p.data if m.status is ParamStatus.AVAILABLE else None  # a stale one: refill it
         stamp(m)  # the full tensor will hold the shards as sent now
         dtype = m.full_dtype = wanted_dtype(m, compute)
-        disk.load_for_send(m.shard)
-        sends.append(m.shard.to(m.device, dtype, non_blocking=True))
-        fulls.append(_full_for(m, pool, dtype, current))
+        if disk.load_for_send(m.shard):
+            parked.append(m.shard)
+        shard = m.shard
+        sends.append(shard if shard.dtype == dtype and shard.device == m.device
+                     else shard.to(m.device, dtype, non_blocking=True))
+        full = _full_for(m, pool, dtype, current)
+        fulls.append(full if full[0] is not current else (None, full[1]))  # refilled in place: as is
     work = all_gather_many([flat for _, flat in fulls], sends, info, async_op=async_op)
 
     def unpack() -> None:
+        for shard in parked:
+            disk.after_send(shard)
         for (p, m), (full, _) in zip(pairs, fulls):
-            disk.after_send(m.shard)
-            p.data = full
-            m.full_ptr = full.untyped_storage().data_ptr()
+            if full is not None:
+                p.data = full
+                m.full_ptr = full.untyped_storage().data_ptr()
 
     return GatherHandle(pairs, work, unpack, joined)
 

@@ -1,0 +1,101 @@
+"""The steps of the coordinator: one in progress per phase, how a step begins and ends.
+
+A step begins at the first forward (or backward) of its phase: the trace book starts
+recording, rank 0's buffers are broadcast (``sync_buffers``) and the persistent parameters
+that need it are gathered in one collective. It ends when its forward returns (no grad) or
+its backward does: the trace is stored, idle parameters are released and the counters of
+the step are frozen into the ``CoordinatorStats`` that ``stats()`` returns.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from parts.partition.coordinator.debug import StepCheck
+from parts.partition.coordinator.live import LiveSet
+from parts.partition.coordinator.prefetch import Prefetcher
+from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, freeze
+from parts.partition.coordinator.step import StepState
+from parts.partition.coordinator.table import ParamTable
+from parts.partition.coordinator.trace import trace_digest
+from parts.partition.interop.buffers import broadcast_buffers
+
+__all__ = ["Steps"]
+
+
+class Steps:
+    """The step in progress of each phase (``current``), steps begun per phase, the last stats."""
+
+    def __init__(self, root: nn.Module, table: ParamTable, live: LiveSet, prefetcher: Prefetcher,
+                 check: StepCheck, counters: StepCounters, sync_buffers: bool) -> None:
+        self.root, self.table, self.live, self.prefetcher = root, table, live, prefetcher
+        self.check, self.counters, self.sync_buffers = check, counters, sync_buffers
+        self.current: dict[str, StepState] = {}
+        self.begun: dict[str, int] = {}  # steps begun per phase (debug mode names them)
+        self.last: Optional[CoordinatorStats] = None
+        self._misses = 0
+        self._done = 0
+        self._buffers_dirty = True
+
+    def get(self, phase: Optional[str]) -> Optional[StepState]:
+        """The step in progress of ``phase`` (None if none)."""
+        return self.current.get(phase) if phase is not None else None
+
+    def active(self, phase: str) -> bool:
+        """True if a step of ``phase`` is recording its trace."""
+        return self.prefetcher.book.active(phase)
+
+    def begin(self, phase: str) -> None:
+        """Start a step of ``phase``: trace, buffers, persistent parameters."""
+        self.prefetcher.book.begin(phase)
+        number = self.begun.get(phase, 0)
+        self.begun[phase] = number + 1
+        self.current[phase] = StepState(phase, number=number)
+        self._sync_buffers(phase)
+        self._refresh_persistent(phase)
+
+    def _sync_buffers(self, phase: str) -> None:
+        """Rank 0's buffers to every rank at a train-mode step and the first step after one."""
+        if self.sync_buffers and self.table.records and (self._buffers_dirty or phase.startswith("train")):
+            broadcast_buffers(self.root, next(iter(self.table.records.values())).info)
+            self._buffers_dirty = phase.startswith("train")  # train mode updates buffers
+
+    def _refresh_persistent(self, phase: str) -> None:
+        """Gather the persistent params that need it in one (async) collective at a step's start:
+        those not gathered, and, in place, those whose shard an optimizer stepped since. The
+        decision is local (every rank steps its shards of the same params); ``debug`` checks it."""
+        todo, stale = self.live.persistent_to_gather()
+        self.check.point(self.current[phase], "start", ids=sorted(todo + stale))
+        self.live.refresh_persistent(todo, stale)
+
+    def end(self, phase: str) -> None:
+        """Finish the step of ``phase``: store its trace, release idle params, freeze the counters."""
+        step = self.current.pop(phase)
+        record = self.prefetcher.book.end(phase)
+        digest = trace_digest(record.events, self.table.names)
+        self.check.point(step, "end", digest=int(digest, 16))
+        self.live.end_step()
+        self.prefetcher.prefetched.clear()
+        self._misses += record.outcome == "diverged"
+        self._done += 1
+        pool = self.live.pool
+        self.last = freeze(self.counters, steps=self._done, phase=phase,
+                           trace_outcome=record.outcome, trace_events=len(record.events),
+                           trace_digest=digest, trace_misses=self._misses,
+                           persistent_params=len(self.table.persistent),
+                           persistent_elements=self.table.persistent_elements(),
+                           cached_bytes=pool.cached_bytes if pool else 0)
+        self.counters.reset()
+
+    def abandon(self, phase: str) -> None:
+        """Forget the step of ``phase`` after an error; release what it held, locally only."""
+        self.current.pop(phase, None)
+        self.prefetcher.book.abandon(phase)
+        self.live.release(self.live.idle())
+        self.counters.reset()
+
+    def outside(self, what: str) -> None:
+        """Debug mode: agree with every rank on a collective outside a step, and on steps begun."""
+        self.check.outside(what, sum(self.begun.values()), self.begun.get("train", 0))
