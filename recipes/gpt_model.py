@@ -99,9 +99,14 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8) -> torch.Tensor:
-        """Sample ``new_tokens`` characters after ``idx`` (every rank must call it: it runs the model)."""
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: Optional[int] = None) -> torch.Tensor:
+        """Sample ``new_tokens`` characters after ``idx``, from the ``top_k`` likeliest if given
+        (on a sharded model every rank must call it: it runs the model)."""
         for _ in range(new_tokens):
             logits = self(idx[:, -self.config.block_size:])[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx
