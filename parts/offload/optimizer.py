@@ -88,9 +88,29 @@ class OffloadedOptimizer(OptimizerWrapper):
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The full state of ``p`` (offloaded tensors read back into fresh memory)."""
         state = dict(self.optimizer.state.get(p, {}))
-        for name in self._placed.get(id(p), {}):
-            state[name] = self.state_of_key(p, name)
+        state.update((name, self.state_of_key(p, name)) for name in self.stored_keys(p))
         return state
+
+    # ------------------------------------------- one state tensor at a time (checkpoints)
+    def stored_keys(self, p: torch.Tensor) -> list[str]:
+        """Names of ``p``'s state tensors that live in the store."""
+        return list(self._placed.get(id(p), {}))
+
+    def write_state(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Store ``value`` (shaped like ``p``, on CPU) as ``p``'s state tensor ``name``; waits."""
+        if value.shape != p.shape or value.device.type != "cpu":
+            raise ValueError(f"OffloadedOptimizer: state {name!r} of parameter "
+                             f"{self._index.get(id(p), '?')} must be a CPU tensor of shape "
+                             f"{tuple(p.shape)}, got {tuple(value.shape)} on {value.device}")
+        self.optimizer.state.get(p, {}).pop(name, None)
+        self.store.write(self._key(p, name), value.contiguous()).wait()
+        self._placed.setdefault(id(p), {})[name] = (value.shape, value.dtype)
+
+    def clear_state(self, p: torch.Tensor) -> None:
+        """Forget ``p``'s state: the in-memory entries and the stored tensors."""
+        self.optimizer.state.pop(p, None)
+        for name in self._placed.pop(id(p), {}):
+            self.store.delete(self._key(p, name))
 
     # ------------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -186,7 +206,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         """State tensors of ``p`` shaped like it (recorded in ``_placed``)."""
         out = [(name, t) for name, t in self.optimizer.state.get(p, {}).items()
                if isinstance(t, torch.Tensor) and t.shape == p.shape and t.device.type == "cpu"]
-        self._placed[id(p)] = {name: (t.shape, t.dtype) for name, t in out}
+        self._placed.setdefault(id(p), {}).update((name, (t.shape, t.dtype)) for name, t in out)
         return [(name, t.contiguous()) for name, t in out]
 
     def _key(self, p: torch.Tensor, name: str) -> str:
@@ -237,15 +257,29 @@ class OffloadedOptimizer(OptimizerWrapper):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load as the wrapped optimizer does, then move the state tensors to the store; a ``Stored``
-        entry (from ``stored_state_dict``) must name this optimizer's own key: its bytes stay."""
+        """Load as the wrapped optimizer does; state tensors shaped like their parameter go straight
+        to the store one at a time (never all in memory at once); a ``Stored`` entry (from
+        ``stored_state_dict``) must name this optimizer's own key: its bytes stay."""
         state_dict, kept = self._take_stored(state_dict)
-        self.optimizer.load_state_dict(state_dict)
-        self._placed.clear()
-        self._offload_all()
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        by_id = dict(zip(saved, self._params)) if len(saved) == len(self._params) else {}
+        streamed = {i: {k: v for k, v in st.items() if k != "step" and _shaped_like(v, by_id[i])}
+                    for i, st in state_dict["state"].items() if i in by_id}
+        rest = dict(state_dict, state={i: {k: v for k, v in st.items() if k not in streamed.get(i, {})}
+                                       for i, st in state_dict["state"].items()})
+        self.optimizer.load_state_dict(rest)  # checks the groups; raises before anything changed
+        for i, p in enumerate(self._params):
+            for name in self._placed.pop(id(p), {}):
+                if name not in kept.get(i, {}):
+                    self.store.delete(self._key(p, name))
         for i, names in kept.items():
-            p = self._params[i]
-            self._placed.setdefault(id(p), {}).update(names)
+            self._placed.setdefault(id(self._params[i]), {}).update(names)
+        for i, tensors in streamed.items():
+            p = by_id[i]
+            for name, value in tensors.items():  # cast as torch casts non-step state
+                dtype = p.dtype if p.is_floating_point() else value.dtype
+                self.write_state(p, name, value.to(device=p.device, dtype=dtype))
+        self._offload_all()  # anything else shaped like its parameter (e.g. a 0-d param's step)
 
     def _take_stored(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict]]:
         """``state_dict`` without its ``Stored`` entries (checked to be this optimizer's own), and
@@ -263,3 +297,8 @@ class OffloadedOptimizer(OptimizerWrapper):
                 kept.setdefault(i, {})[name] = placed
                 del entry[name]
         return {**state_dict, "state": state}, kept
+
+
+def _shaped_like(value: Any, p: torch.Tensor) -> bool:
+    """A tensor the store holds for ``p``: shaped like it (its device is the parameter's)."""
+    return isinstance(value, torch.Tensor) and value.shape == p.shape

@@ -23,12 +23,15 @@ __all__ = ["setup", "lazy_grad", "materialize", "set_grad_scale"]
 
 
 def setup(opt: Any) -> None:
-    """Park the masters of parked shards if the wrapped optimizer can step them, else raise."""
+    """Park the masters of parked shards if the wrapped optimizer can step them, else raise; an
+    ``OffloadedOptimizer`` inside takes the masters the wrapper put in its groups."""
     sharded = [(g, i, s) for g, group in enumerate(opt.sharded_groups) for i, s in enumerate(group)
                if disk.parked_version(s.record.shard) is not None]
-    if not sharded:
-        return
     inner = opt.optimizer
+    if not sharded:
+        if disk.drives_parked(inner):  # state offloaded, masters in memory: it steps the masters
+            inner.params_replaced()
+        return
     if not disk.drives_parked(inner):
         raise TypeError(f"BF16Optimizer: parameter {sharded[0][2].name!r} has its shard in a DiskStore; "
                         f"wrap the inner optimizer so its fp32 masters and state go there too: "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -60,6 +60,20 @@ class ShardedParam:
         self.version = self._version()
         return True
 
+    def peek_master(self) -> Any:
+        """Context manager: inside, the master holds its bytes (an offloaded one is read in, then dropped)."""
+        return disk.peek(self.master)
+
+    def set_master(self, values: torch.Tensor) -> None:
+        """Make ``values`` (fp32, this rank's shard, zero padding) the master; an offloaded master
+        is written to the store and into its model-dtype shard there (neither is read first)."""
+        if not self.offloaded:
+            self.master.copy_(values)  # (the shard follows at the optimizer's write_back)
+            return
+        disk.overwrite(self.master, values)
+        disk.overwrite(self.record.shard, values)
+        self.version = self._version()
+
     def real_numel(self) -> int:
         """Real (unpadded) elements of this rank's shard."""
         start, stop = self.layout.range(self.rank)
@@ -78,6 +92,13 @@ class ShardedParam:
     def has_grad(self) -> bool:
         """True if a grad shard is waiting, in memory or (shard on disk) in the store."""
         return self.grad() is not None or disk.has_grad(self.record.shard)
+
+    def any_grad(self) -> Optional[torch.Tensor]:
+        """The fp32 grad shard (padded), in memory or read from the store; None if there is none."""
+        g = self.grad()
+        if g is None and disk.has_grad(self.record.shard):
+            g = disk.read_grad(self.record.shard).view(-1).to(torch.float32)
+        return g
 
     def stored_grad(self) -> torch.Tensor:
         """The fp32 grad of a shard on disk, read from the store (its real elements)."""

@@ -17,8 +17,10 @@ import torch
 from parts.comm import agree
 
 from . import _collectives as C
-from .layout import source_ranges
-from .load_checks import check_dtypes, check_names, group_options
+from . import inner_state
+from .inner_state import is_elementwise as _is_elementwise
+from .load_checks import group_options
+from .reader import FORMAT, Reader
 
 if TYPE_CHECKING:  # the optimizer imports this module
     from .bf16_optimizer import BF16Optimizer
@@ -28,16 +30,9 @@ if TYPE_CHECKING:  # the optimizer imports this module
 __all__ = ["rank_state_dict", "consolidated_state_dict", "load", "full_param_tensor",
            "full_grad_tensor", "flat_state", "set_flat_state"]
 
-FORMAT = "parts.optim.BF16Optimizer/1"
-
-
-def _is_elementwise(value: Any, master: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == master.numel()
-
-
 def flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup") -> dict:
     """The wrapped optimizer's state of ``fg``'s master chunks, merged into partition-sized tensors."""
-    states = [inner.state.get(c, {}) for c in fg.master_chunks]
+    states = [inner_state.full(inner, c) for c in fg.master_chunks]
     if not states or not states[0]:
         return {}
     out = {}
@@ -53,11 +48,9 @@ def flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup") -> dict:
 def set_flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup", state: dict) -> None:
     """Split partition-sized ``state`` over ``fg``'s master chunks (each gets its own scalars)."""
     for chunk, (start, length) in zip(fg.master_chunks, fg.chunks):
-        inner.state.pop(chunk, None)
-        if state:
-            inner.state[chunk] = {
-                k: (v.reshape(-1).narrow(0, start, length).clone() if _is_elementwise(v, fg.master)
-                    else (v.clone() if torch.is_tensor(v) else v)) for k, v in state.items()}
+        inner_state.replace(inner, chunk, {
+            k: (v.reshape(-1).narrow(0, start, length).clone() if _is_elementwise(v, fg.master)
+                else (v.clone() if torch.is_tensor(v) else v)) for k, v in state.items()})
 
 
 def _split_state(state: dict, master: torch.Tensor, real: int) -> tuple[dict, dict]:
@@ -93,6 +86,23 @@ def _record(master: torch.Tensor, state: dict, real: int, start: int) -> dict:
             "state": elem, "scalars": other}
 
 
+def _scalars(opt: "BF16Optimizer", master: torch.Tensor) -> dict:
+    """Copies of ``master``'s state entries that are not per-element (step counters...)."""
+    return {k: v.clone() if torch.is_tensor(v) else v
+            for k, v in inner_state.scalars(opt.optimizer, master).items()}
+
+
+def _sharded_record(opt: "BF16Optimizer", s: "ShardedParam") -> dict:
+    """``_record`` of one sharded param, one tensor at a time (offloaded ones read from the store)."""
+    real, start = s.real_numel(), s.layout.range(opt.rank)[0]
+    with s.peek_master():
+        master = s.master.narrow(0, 0, real).clone()
+    elem = {k: inner_state.tensor(opt.optimizer, s.master, k).reshape(-1).narrow(0, 0, real).clone()
+            for k in inner_state.keys(opt.optimizer, s.master)}
+    return {"range": [start, start + real], "master": master, "state": elem,
+            "scalars": _scalars(opt, s.master)}
+
+
 def rank_state_dict(opt: "BF16Optimizer") -> dict:
     """This rank's checkpoint: real master/state elements, options and parameter metadata."""
     opt.sync_masters()
@@ -105,8 +115,7 @@ def rank_state_dict(opt: "BF16Optimizer") -> dict:
                       fg.layout.shard.range(opt.rank)[0])
         rec["partition_numel"] = fg.layout.partition_numel
         groups.append(rec)
-    sharded = [[_record(s.master, opt.optimizer.state.get(s.master, {}), s.real_numel(),
-                        s.layout.range(opt.rank)[0]) for s in sh] for sh in opt.sharded_groups]
+    sharded = [[_sharded_record(opt, s) for s in sh] for sh in opt.sharded_groups]
     return {"format": FORMAT, "kind": "rank", "world_size": opt.world_size, "rank": opt.rank,
             "param_groups": _options(opt), "params": _param_meta(opt), "groups": groups,
             "sharded": sharded, "skipped_steps": opt.skipped_steps,
@@ -118,6 +127,18 @@ def _gather_full(opt: "BF16Optimizer", master: torch.Tensor, state: dict) -> tup
     elem = {k: C.all_gather_partition(v.reshape(-1), opt.comm)
             for k, v in state.items() if _is_elementwise(v, master)}
     return full, elem
+
+
+def _full_sharded(opt: "BF16Optimizer", s: "ShardedParam", key: Optional[str],
+                  keep: bool = True) -> Optional[torch.Tensor]:
+    """The full master (``key`` None) or state ``key`` of one sharded param, gathered from its one
+    local tensor (read from the store if offloaded), padding cut; None if not ``keep``."""
+    if key is None:
+        with s.peek_master():
+            full = C.all_gather_partition(s.master, opt.comm)
+    else:
+        full = C.all_gather_partition(inner_state.tensor(opt.optimizer, s.master, key).reshape(-1), opt.comm)
+    return full.narrow(0, 0, s.numel).view(s.shape).clone() if keep else None
 
 
 def consolidated_state_dict(opt: "BF16Optimizer") -> Optional[dict]:
@@ -144,9 +165,11 @@ def consolidated_state_dict(opt: "BF16Optimizer") -> Optional[dict]:
                 add(name, list(p.shape), full, elem, fg.layout.offsets[i], other)
             del full, elem
         for s in opt.sharded_groups[g]:
-            state = opt.optimizer.state.get(s.master, {})
-            full, elem = _gather_full(opt, s.master, state)
-            add(s.name, list(s.shape), full, elem, 0, _split_state(state, s.master, 0)[1])
+            keys = inner_state.keys(opt.optimizer, s.master)
+            master = _full_sharded(opt, s, None, keep)
+            elem = {k: _full_sharded(opt, s, k, keep) for k in keys}
+            if keep:
+                masters[s.name], states[s.name], scalars[s.name] = master, elem, _scalars(opt, s.master)
     if not keep:
         return None
     return {"format": FORMAT, "kind": "consolidated", "param_groups": _options(opt),
@@ -156,84 +179,7 @@ def consolidated_state_dict(opt: "BF16Optimizer") -> Optional[dict]:
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None}
 
 
-class _Reader:
-    """Reads elements ``[e0, e1)`` of one saved parameter's flat master or state."""
-
-    def __init__(self, source: Any) -> None:
-        if source is None:
-            raise ValueError("BF16Optimizer.load_state_dict got None on this rank: "
-                             "consolidated_state_dict() returns None on every rank but 0 (it gathers "
-                             "to rank 0); pass the same consolidated dict on every rank (save it on "
-                             "rank 0, load the file on every rank), or every saved rank's state_dict()")
-        sds = list(source) if isinstance(source, (list, tuple)) else [source]
-        for sd in sds:
-            if not isinstance(sd, dict) or sd.get("format") != FORMAT:
-                raise ValueError("BF16Optimizer.load_state_dict expects BF16Optimizer.state_dict() "
-                                 "output (a list of every rank's) or consolidated_state_dict()")
-        self.first = sds[0]
-        self.consolidated = self.first["kind"] == "consolidated"
-        self.sds = {d.get("rank", 0): d for d in sds}  # only the saved ranks this rank reads
-        self.meta = {m["name"]: m for m in self.first["params"]}
-
-    def check(self, model: dict[str, Sequence[int]], strict: bool) -> None:
-        """Raise before loading if names, shapes or dtypes do not fit ``model`` (name -> shape)."""
-        check_names({n: m["shape"] for n, m in self.meta.items()}, model, strict)
-        check_dtypes(self.sds.values())
-
-    def _span(self, name: str) -> tuple[int, int]:
-        """(offset of ``name`` in its saved partition space, saved partition size)."""
-        m = self.meta[name]
-        if m["kind"] == "flat":
-            return m["offset"], self.first["groups"][m["group"]]["partition_numel"]
-        return 0, m["shard_numel"]
-
-    def check_sources(self, pieces: Sequence[tuple[str, int, int]]) -> None:
-        """Raise naming the saved ranks whose dicts the ``(name, e0, e1)`` pieces need and lack."""
-        if self.consolidated:
-            return
-        need = set()
-        for name, e0, e1 in pieces:
-            if e1 > e0:
-                base, size = self._span(name)
-                need.update(rank for rank, _, _ in source_ranges(base + e0, base + e1, size))
-        lacking = sorted(need - set(self.sds))
-        if lacking:
-            plural = "s" if len(lacking) > 1 else ""
-            raise ValueError(f"BF16Optimizer.load_state_dict: this rank's partition needs the state "
-                             f"dict{plural} of saved rank{plural} {', '.join(map(str, lacking))} of "
-                             f"{self.first['world_size']}; got saved ranks {sorted(self.sds)}. Pass "
-                             f"the list of every saved rank's state_dict() on every rank")
-
-    def _record(self, name: str, rank: int) -> dict:
-        if rank not in self.sds:
-            raise ValueError(f"loading parameter {name!r} needs the state dict of saved rank "
-                             f"{rank} of {self.first['world_size']}; got ranks {sorted(self.sds)}")
-        m = self.meta[name]
-        if m["kind"] == "flat":
-            return self.sds[rank]["groups"][m["group"]]
-        return self.sds[rank]["sharded"][m["group"]][m["slot"]]
-
-    def read(self, name: str, key: Optional[str], e0: int, e1: int) -> torch.Tensor:
-        """Elements ``[e0, e1)`` of the master (``key`` None) or state ``key`` of ``name``."""
-        if self.consolidated:
-            src = self.first["master"][name] if key is None else self.first["state"][name][key]
-            return src.reshape(-1)[e0:e1]
-        base, size = self._span(name)
-        parts = []
-        for rank, lo, hi in source_ranges(base + e0, base + e1, size):
-            rec = self._record(name, rank)
-            parts.append((rec["master"] if key is None else rec["state"][key])[lo:hi])
-        return torch.cat(parts) if len(parts) != 1 else parts[0]
-
-    def keys(self, name: str) -> tuple[list[str], dict]:
-        """(per-element state keys, other state) saved for ``name``."""
-        if self.consolidated:
-            return list(self.first["state"][name]), self.first["scalars"][name]
-        rec = self._record(name, self.first["rank"])
-        return list(rec["state"]), rec["scalars"]
-
-
-def _fill(reader: _Reader, master: torch.Tensor, pieces: list[tuple[str, int, int, int]],
+def _fill(reader: Reader, master: torch.Tensor, pieces: list[tuple[str, int, int, int]],
           key_name: str) -> dict:
     """Fill ``master`` and rebuild its optimizer state from (name, e0, e1, offset) pieces."""
     keys, other = reader.keys(key_name)
@@ -276,9 +222,9 @@ def _group_names(opt: Any) -> list[list[str]]:
             for g, fg in enumerate(opt.flat_groups)]
 
 
-def _plan(opt: Any, source: Any, strict: bool) -> tuple[_Reader, list]:
+def _plan(opt: Any, source: Any, strict: bool) -> tuple[Reader, list]:
     """Every check of a load, before anything changes: the reader and each group's settings."""
-    reader = _Reader(source)
+    reader = Reader(source)
     reader.check(_model_shapes(opt), strict)
     reader.check_sources(_pieces(opt))
     saved_group = {name: m["group"] for name, m in reader.meta.items()}
@@ -301,8 +247,7 @@ def load(opt: "BF16Optimizer", source: Any, strict: bool = True) -> None:
                       for pc in fg.layout.pieces(opt.rank)]
             set_flat_state(opt.optimizer, fg, _fill(reader, fg.master, pieces, fg.names[0]))
         for s in opt.sharded_groups[g]:
-            start, stop = s.layout.range(opt.rank)
-            _set_state(opt, s.master, _fill(reader, s.master, [(s.name, start, stop, 0)], s.name))
+            _load_sharded(opt, reader, s)
     for group, opts in zip(opt.optimizer.param_groups, options):
         if opts is not None:
             group.update(opts)
@@ -312,10 +257,24 @@ def load(opt: "BF16Optimizer", source: Any, strict: bool = True) -> None:
     opt.write_back()
 
 
-def _set_state(opt: "BF16Optimizer", master: torch.Tensor, state: dict) -> None:
-    opt.optimizer.state.pop(master, None)
-    if state:
-        opt.optimizer.state[master] = state
+def _load_sharded(opt: "BF16Optimizer", reader: Reader, s: "ShardedParam") -> None:
+    """Fill one sharded param's master and state from ``reader``, one tensor at a time (an
+    offloaded master and its state go to the store, its model-dtype shard is written there)."""
+    keys, other = reader.keys(s.name)
+    inner_state.replace(opt.optimizer, s.master, {k: (v.clone() if torch.is_tensor(v) else v)
+                                                  for k, v in other.items()})
+    s.set_master(_saved_shard(reader, s, None, opt.rank))
+    for k in keys:
+        inner_state.put(opt.optimizer, s.master, k, _saved_shard(reader, s, k, opt.rank))
+
+
+def _saved_shard(reader: Reader, s: "ShardedParam", key: Optional[str], rank: int) -> torch.Tensor:
+    """``rank``'s shard of ``s``'s saved master (``key`` None) or state ``key``: zero padding, fp32."""
+    start, stop = s.layout.range(rank)
+    out = torch.zeros(s.master.shape, dtype=s.master.dtype)
+    if stop > start:  # (a rank may own no element of a parameter with numel < world size)
+        out.narrow(0, 0, stop - start).copy_(reader.read(s.name, key, start, stop))
+    return out
 
 
 def full_param_tensor(opt: "BF16Optimizer", p: torch.Tensor, key: Optional[str]) -> Any:
@@ -324,19 +283,18 @@ def full_param_tensor(opt: "BF16Optimizer", p: torch.Tensor, key: Optional[str])
     kind, g, i = opt.locate(p)
     if kind == "flat":
         fg = opt.flat_groups[g]
-        master, off, shape = fg.master, fg.layout.offsets[i], p.shape
-        state = flat_state(opt.optimizer, fg)
+        value = fg.master if key is None else flat_state(opt.optimizer, fg).get(key)
     else:
         s = opt.sharded_groups[g][i]
-        master, off, shape = s.master, 0, s.shape
-        state = opt.optimizer.state.get(master, {})
-    value = master if key is None else state.get(key)
+        if key is None or key in inner_state.keys(opt.optimizer, s.master):
+            return _full_sharded(opt, s, key)
+        value = inner_state.scalars(opt.optimizer, s.master).get(key)
     if value is None:
         raise KeyError(f"no optimizer state {key!r} for this parameter (before the first step?)")
-    if not _is_elementwise(value, master):
+    if kind != "flat" or not _is_elementwise(value, fg.master):
         return value
     full = C.all_gather_partition(value.reshape(-1), opt.comm)
-    return full.narrow(0, off, _numel(shape)).view(shape).clone()
+    return full.narrow(0, fg.layout.offsets[i], _numel(p.shape)).view(p.shape).clone()
 
 
 def full_grad_tensor(opt: "BF16Optimizer", p: torch.Tensor) -> torch.Tensor:
@@ -346,8 +304,8 @@ def full_grad_tensor(opt: "BF16Optimizer", p: torch.Tensor) -> torch.Tensor:
         view = opt.flat_groups[g].grad_view(i)
         return C.all_reduce_mean(view, opt.comm)
     s = opt.sharded_groups[g][i]
-    grad = s.grad()
-    local = grad if grad is not None else torch.zeros_like(s.master)
+    grad = s.any_grad()  # (a shard on disk has its grad in the store)
+    local = grad if grad is not None else torch.zeros(s.master.shape, dtype=torch.float32)
     full = C.all_gather_partition(local, opt.comm)
     return full.narrow(0, 0, s.numel).view(s.shape).clone()
 
