@@ -6,7 +6,9 @@ bytes of parked shards currently loaded. ``overhead = peak - bytes of the result
 is one parameter's padded full tensor plus its shard (the all-gather's receive and send
 buffers), or one parameter's state tensors for the optimizer. The control run with the
 in-memory bucketing (every parameter in one bucket) exceeds that bound, so the measurement
-can tell the two apart.
+can tell the two apart. ``BF16Optimizer`` with its fp32 masters and state on disk: its rank
+and consolidated state dicts and their loads stay within one fp32 master's padded full tensor
+plus its shard (the consolidated gather's buffers); each stored tensor is read exactly once.
 """
 
 import torch
@@ -16,7 +18,9 @@ from harness import run
 from test_coordinator_models import GPT, batch
 from parts.observe import storage_bytes
 from parts.observe.storage import StorageTracker
+from parts.comm import broadcast_object
 from parts.offload import DiskStore, OffloadedOptimizer
+from parts.optim import BF16Optimizer
 from parts.partition import attach, detach, full_state_dict, load_full_state_dict, meta, partitioned, shards
 from parts.partition.core import state_dict as sd_mod
 
@@ -43,9 +47,11 @@ class PeakTracker(StorageTracker):
         self.peak = max(self.peak, live + self.extra())
 
 
-def _measure(model, store, fn):
-    """(result, peak bytes) of ``fn()``; store reads are sampled too (a read fills a shard)."""
-    resident = lambda: sum(s.untyped_storage().nbytes() for s in shards(model))  # noqa: E731
+def _measure(model, store, fn, also=()):
+    """(result, peak bytes) of ``fn()``; store reads are sampled too (a read fills a shard);
+    the storages of ``also`` (parked tensors, e.g. offloaded masters) count like the shards'."""
+    parked = [meta(p).shard for p in model.parameters()] + list(also)
+    resident = lambda: sum(s.untyped_storage().nbytes() for s in parked)  # noqa: E731
     tracker, real_read = PeakTracker(resident), store.read
 
     def read(key, out):
@@ -124,13 +130,71 @@ def body_optimizer_state_dict(tmp):
     after = opt.state_dict()
     same = all(torch.equal(a, b) for i in state["state"] for k, a in state["state"][i].items()
                for b in [after["state"][i][k]])
+    # a float64 copy: every state tensor is cast to its fp32 parameter's dtype, one at a time
+    wide = dict(state, state={i: {k: v.double() if k != "step" else v for k, v in st.items()}
+                              for i, st in state["state"].items()})
+    _, over_cast = _measure(model, store, lambda: opt.load_state_dict(wide))
+    after = opt.state_dict()
+    same_cast = all(torch.equal(a, after["state"][i][k]) and after["state"][i][k].dtype == a.dtype
+                    for i in state["state"] for k, a in state["state"][i].items())
     detach(model)
     store.close()
-    return dict(save=over_save, load=over_load, bound=largest_state, same=same, used=used)
+    return dict(save=over_save, load=over_load, cast=over_cast, bound=largest_state, same=same,
+                same_cast=same_cast, used=used)
 
 
 def test_offloaded_optimizer_state_dicts_hold_nothing_beyond_result(tmp_path):
     for r in run(2, body_optimizer_state_dict, str(tmp_path)):
-        assert r["same"] and r["used"] > 0
+        assert r["same"] and r["same_cast"] and r["used"] > 0
         assert r["save"] <= r["bound"], r
         assert r["load"] <= r["bound"], r
+        assert 0 < r["cast"] <= r["bound"] // 2, r  # one cast state tensor at a time
+
+
+def body_bf16_state_dicts(tmp):
+    """BF16Optimizer over an offloaded bf16 model: its state dicts and loads, measured."""
+    rank = dist.get_rank()
+    store = DiskStore(f"{tmp}/r{rank}", block_bytes=4096)
+    torch.manual_seed(0)
+    with partitioned(dtype=torch.bfloat16, remote_device=store):
+        model = GPT(layers=2)
+    attach(model, prefetch_bucket_size=3000, max_live_parameters=6000)
+    opt = BF16Optimizer(OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), store,
+                                           chunk_bytes=5000))
+    model(*batch(0, 4, 4 * rank)).backward()
+    opt.step()
+    opt.zero_grad()
+    masters = [s.master for g in opt.sharded_groups for s in g]
+    stored = sum(3 * m.numel() * 4 for m in masters)  # master, exp_avg, exp_avg_sq
+    out = dict(bound=_one_param(model), stored=stored)
+    before = store.stats.bytes_read
+    sd, peak = _measure(model, store, opt.state_dict, masters)
+    out.update(rank_reads=store.stats.bytes_read - before, rank=peak - storage_bytes(sd))
+    before = store.stats.bytes_read
+    cons, peak = _measure(model, store, opt.consolidated_state_dict, masters)
+    out.update(cons_reads=store.stats.bytes_read - before,
+               cons=peak - (storage_bytes(cons) if rank == 0 else 0))
+    cons = broadcast_object(cons)
+    for name, source in (("load_rank", sd), ("load_cons", cons)):
+        before = store.stats.bytes_read
+        _, out[name] = _measure(model, store, lambda: opt.load_state_dict(source), masters)
+        out[name + "_reads"] = store.stats.bytes_read - before
+    out["same"] = _same_rank_dicts(sd, opt.state_dict())
+    detach(model)
+    store.close()
+    return out
+
+
+def _same_rank_dicts(a, b):
+    return all(torch.equal(x["master"], y["master"]) and sorted(x["state"]) == sorted(y["state"])
+               and all(torch.equal(v, y["state"][k]) for k, v in x["state"].items())
+               for ga, gb in zip(a["sharded"], b["sharded"]) for x, y in zip(ga, gb))
+
+
+def test_bf16_offloaded_state_dicts_hold_one_parameter(tmp_path):
+    for r in run(2, body_bf16_state_dicts, str(tmp_path)):
+        assert r["same"], r
+        assert r["rank_reads"] == r["stored"] and r["cons_reads"] == r["stored"], r  # each once
+        assert r["load_rank_reads"] == 0 and r["load_cons_reads"] == 0, r  # written, never read
+        for key in ("rank", "cons", "load_rank", "load_cons"):
+            assert 0 < r[key] <= r["bound"], (key, r)

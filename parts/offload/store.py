@@ -268,9 +268,8 @@ class DiskStore:
         if not starts:
             self._finish(op, writing, 0.0)
         path = os.path.join(self.directory, entry.file)
-        for start in starts:
-            piece = data[start:start + self.block_bytes]
-            self._pool.submit(self._run, op, path, piece, start, writing)
+        for start in starts:  # a list the IO thread empties: once waited, the store holds no view
+            self._pool.submit(self._run, op, path, [data[start:start + self.block_bytes]], start, writing)
         return IOHandle(op, self)
 
     def _acquire(self, n: int) -> None:
@@ -282,8 +281,10 @@ class DiskStore:
                 self._busy_since = time.perf_counter()
             self._inflight_ops += 1
 
-    def _run(self, op: _Op, path: str, piece: torch.Tensor, offset: int, writing: bool) -> None:
-        """One piece on an IO thread, after the key's previous operation finished."""
+    def _run(self, op: _Op, path: str, holder: list, offset: int, writing: bool) -> None:
+        """One piece on an IO thread, after the key's previous operation finished; the piece is
+        let go before the operation is marked done (the caller may free it right after ``wait``)."""
+        piece = holder.pop()
         if op.after is not None:
             op.after.finished.wait()
         start = time.perf_counter()  # transfer time only, not the wait for the key's previous op
@@ -296,6 +297,7 @@ class DiskStore:
                 self._transfer(path, piece, offset, writing)
         except BaseException as e:  # handed to the waiter, never lost
             op.error = op.error or e
+        del piece
         self._finish(op, writing, time.perf_counter() - start)
 
     def _transfer(self, path: str, piece: torch.Tensor, offset: int, writing: bool) -> None:
