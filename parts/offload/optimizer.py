@@ -5,9 +5,10 @@ Between steps the wrapped optimizer's ``state[p]`` keeps only small entries (Ada
 ``exp_avg_sq``, ``momentum_buffer``, ``sum``...) is in the store. Parameters that are
 parked (``parts.offload.parking``: a partitioned shard on disk) also have their values and
 their grad there. ``step()`` walks the parameters in chunks of about ``chunk_bytes``
-(parameter, grad and state bytes) as a three-stage pipeline: the reads of chunk k+1 are
-in flight while chunk k is stepped, and chunk k's writes run while chunk k+1 is stepped;
-chunk k-1's memory is freed once its writes finished, so at most three chunks are held.
+(parameter, grad and state bytes; at most half the store's ``max_inflight_bytes``) as a
+three-stage pipeline: the reads of chunk k+1 are in flight while chunk k is stepped, and
+chunk k's writes run while chunk k+1 is stepped; chunk k-1's memory is freed once its
+writes finished, so at most three chunks are held.
 
 The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
 so any optimizer whose update of a parameter depends only on that parameter's grad and
@@ -61,6 +62,10 @@ class OffloadedOptimizer(OptimizerWrapper):
         if chunk_bytes < 1:
             raise ValueError(f"OffloadedOptimizer: chunk_bytes must be >= 1, got {chunk_bytes}")
         self.store, self.chunk_bytes, self.prefix = store, int(chunk_bytes), prefix
+        # the chunk step() uses: at most half the store's in-flight cap, so the next chunk's reads
+        # and the last one's writes are in flight together (a larger chunk makes each submission
+        # wait for the other kind to drain: benchmarks/bench_offload_chunks.py)
+        self.step_chunk_bytes = max(1, min(self.chunk_bytes, store.max_inflight_bytes // 2))
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
@@ -122,7 +127,7 @@ class OffloadedOptimizer(OptimizerWrapper):
                 loss = closure()
         active = [p for p in self._params if p.grad is not None or parking.has_grad(p)]
         costs = [self._cost(p) for p in active]
-        chunks = [[active[i] for i in run] for run in plan_chunks(costs, self.chunk_bytes)]
+        chunks = [[active[i] for i in run] for run in plan_chunks(costs, self.step_chunk_bytes)]
         self._pipeline(chunks)
         return loss
 

@@ -39,14 +39,17 @@ __all__ = ["DiskStore", "IOHandle", "StoreStats", "DiskFullError"]
 
 @dataclass
 class StoreStats:
-    """Bytes moved and seconds spent by a store (``busy``: wall time with any IO in flight)."""
+    """Bytes moved and seconds spent by a store (``busy``: wall time with any IO in flight;
+    ``read_busy`` / ``write_busy``: wall time with any read / write in flight)."""
 
     bytes_read: int = 0
     bytes_written: int = 0
     read_seconds: float = 0.0  # transfer time summed over IO threads
     write_seconds: float = 0.0
     busy_seconds: float = 0.0
-    wait_seconds: float = 0.0  # time callers spent blocked in IOHandle.wait()
+    read_busy_seconds: float = 0.0
+    write_busy_seconds: float = 0.0
+    wait_seconds: float = 0.0  # time callers spent blocked: IOHandle.wait(), the in-flight cap
 
     def snapshot(self) -> "StoreStats":
         """A copy of the counters now."""
@@ -55,6 +58,23 @@ class StoreStats:
     def minus(self, earlier: "StoreStats") -> "StoreStats":
         """Counters accumulated since ``earlier`` (a snapshot)."""
         return StoreStats(**{k: getattr(self, k) - getattr(earlier, k) for k in self.__dict__})
+
+
+class _Busy:
+    """Wall time during which at least one operation of a kind was in flight."""
+
+    def __init__(self) -> None:
+        self.count, self.since = 0, 0.0
+
+    def start(self, now: float) -> None:
+        if self.count == 0:
+            self.since = now
+        self.count += 1
+
+    def stop(self, now: float) -> float:
+        """Seconds to add to the kind's busy time (non-zero when the last one in flight ends)."""
+        self.count -= 1
+        return now - self.since if self.count == 0 else 0.0
 
 
 class _Op:
@@ -135,8 +155,8 @@ class DiskStore:
         self._index: dict[str, _Entry] = {}
         self._files = 0  # files ever created (names are never reused)
         self._lock = threading.Condition()
-        self._inflight_bytes = self._inflight_ops = 0
-        self._busy_since = 0.0
+        self._inflight_bytes = 0
+        self._busy = {"any": _Busy(), True: _Busy(), False: _Busy()}  # any, writes, reads
         self._errors: list[BaseException] = []
         self._local = threading.local()
         self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(threads, thread_name_prefix="parts-offload")
@@ -264,7 +284,7 @@ class DiskStore:
         starts = list(range(0, n, self.block_bytes))
         op = _Op(len(starts), n, key, entry.last)
         entry.last = op
-        self._acquire(n)
+        self._acquire(n, writing)
         if not starts:
             self._finish(op, writing, 0.0)
         path = os.path.join(self.directory, entry.file)
@@ -272,14 +292,16 @@ class DiskStore:
             self._pool.submit(self._run, op, path, [data[start:start + self.block_bytes]], start, writing)
         return IOHandle(op, self)
 
-    def _acquire(self, n: int) -> None:
+    def _acquire(self, n: int, writing: bool) -> None:
         with self._lock:
+            start = time.perf_counter()
             while self._inflight_bytes and self._inflight_bytes + n > self.max_inflight_bytes:
                 self._lock.wait()
             self._inflight_bytes += n
-            if self._inflight_ops == 0:
-                self._busy_since = time.perf_counter()
-            self._inflight_ops += 1
+            now = time.perf_counter()
+            self.stats.wait_seconds += now - start  # a caller blocked by the in-flight cap waits too
+            self._busy["any"].start(now)
+            self._busy[writing].start(now)
 
     def _run(self, op: _Op, path: str, holder: list, offset: int, writing: bool) -> None:
         """One piece on an IO thread, after the key's previous operation finished; the piece is
@@ -324,9 +346,12 @@ class DiskStore:
             if op.remaining > 0:
                 return
             self._inflight_bytes -= op.nbytes
-            self._inflight_ops -= 1
-            if self._inflight_ops == 0:
-                self.stats.busy_seconds += time.perf_counter() - self._busy_since
+            now = time.perf_counter()
+            self.stats.busy_seconds += self._busy["any"].stop(now)
+            if writing:
+                self.stats.write_busy_seconds += self._busy[True].stop(now)
+            else:
+                self.stats.read_busy_seconds += self._busy[False].stop(now)
             if op.error is None:
                 if writing:
                     self.stats.bytes_written += op.nbytes
