@@ -165,14 +165,13 @@ def save(t: torch.Tensor) -> IOHandle:
 
 def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:
     """Give parked ``t`` the ``values`` (cast to its dtype) without reading its old bytes; saved, dropped.
-    Values already of ``t``'s dtype and layout go to the store as they are (``t`` stays empty)."""
+    Values already of ``t``'s dtype and size go to the store as they are (``replace``: ``t`` stays empty)."""
     record = parked(t)
     if record.pending is not None:
         load(t)
-    if not record.resident and values.dtype == t.dtype and values.is_contiguous() \
-            and values.numel() == t.numel() and values.device.type == "cpu":
-        record.version += 1
-        record.store.write(record.key, values.detach().reshape(t.shape)).wait()
+    if not record.resident and values.dtype == t.dtype and values.numel() == t.numel() \
+            and values.device.type == "cpu":
+        replace(t, values.detach())
         return
     t.untyped_storage().resize_(record.nbytes)
     record.resident = True
