@@ -73,7 +73,8 @@ def test_attach_records_dtypes_and_counts_bf16_bytes() -> None:
     fp32 = 4 * (shard["lnw"] + shard["lnb"])
     gathered_twice = 2 * (bf16 + fp32)  # forward, and again for backward (release after use)
     assert out["stats"][0] in (bf16 + fp32, gathered_twice)
-    assert out["stats"][1] == 4 * sum(shard.values())  # grads reduce-scattered in fp32
+    # grads summed in fp32; on gloo the bf16 grads travel as bf16 (exact), the LayerNorm's as fp32
+    assert out["stats"][1] == bf16 + fp32
 
 
 def _grads_body(micro: int) -> list:
