@@ -84,7 +84,7 @@ def body_reduce_scatter_narrow_input(numels, seed):
     rank = dist.get_rank()
     for group in _world_and_rest():
         size = dist.get_world_size(group)
-        for numel, op, divide_by, async_op in _rs_cases(numels):
+        for numel, op, divide_by, async_op in [*_rs_cases(numels), (numels[0], dist.ReduceOp.SUM, 3, False)]:
             g = torch.Generator().manual_seed(seed + rank)
             grad = torch.randn(size * numel, generator=g).to(torch.bfloat16)
             expected = torch.empty(numel)

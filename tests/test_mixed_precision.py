@@ -208,6 +208,39 @@ def test_bf16_optimizer_masters_from_fp32_values(world: int) -> None:
         assert masters_ok == [True, True, True, True]
 
 
+def _optimizer_cast_accumulates_body(micro: int) -> bool:
+    """BF16Optimizer(param_dtype=bf16): ``micro`` backwards accumulate into fp32 grads, the mean
+    over ranks of the fp32 sum of the bf16 grads (reference by hand on a bf16 copy)."""
+    from parts.optim import BF16Optimizer
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(15, 33), nn.LayerNorm(33), nn.Linear(33, 7))
+    ref = nn.Sequential(nn.Linear(15, 33), nn.LayerNorm(33), nn.Linear(33, 7))
+    ref.load_state_dict(model.state_dict())
+    ref.to(BF16)
+    optimizer = BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), param_dtype=BF16)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    expect = [torch.zeros(p.shape) for p in ref.parameters()]
+    for r in range(world):
+        local = [torch.zeros(p.shape) for p in ref.parameters()]
+        for k in range(micro):
+            x = torch.randn(4, 15, generator=torch.Generator().manual_seed(100 * k + r)).to(BF16)
+            if r == rank:
+                model(x).float().square().mean().backward()
+            ref.zero_grad()
+            ref(x).float().square().mean().backward()
+            for acc, p in zip(local, ref.parameters()):
+                acc += p.grad.float()
+        for e, acc in zip(expect, local):
+            e += acc / world
+    got = [optimizer.full_grad(p) for p in model.parameters()]
+    return all(g.dtype is torch.float32 and torch.allclose(g, e, rtol=1e-6, atol=1e-8)
+               for g, e in zip(got, expect))
+
+
+def test_bf16_optimizer_cast_accumulates_grads_in_fp32() -> None:
+    assert run(2, _optimizer_cast_accumulates_body, 3) == [True, True]
+
+
 def _optimizer_cast_refuses_fp32_shards() -> str:
     from parts.optim import BF16Optimizer
     with partitioned():

@@ -15,7 +15,8 @@ Because the direct exchange adds the chunks on receipt, its input may be narrowe
 output (bf16 grads, fp32 sums: ``MixedPrecision``): the chunks travel in the input's dtype
 and are added in the output's, the same sums bitwise as casting the whole input up first
 (a widening cast is exact), with half the bytes and no full-size fp32 copy.
-Other backends use torch's collectives (a narrower input is cast up first). Nothing here counts bytes (``collectives`` does).
+Other backends use torch's collectives (a narrower input is cast up first).
+Nothing here counts bytes (``collectives`` does).
 """
 
 from __future__ import annotations
@@ -132,9 +133,13 @@ class _SliceWhenDone:
         """Wait for the collective, then copy (and divide) the chunk."""
         if self._work is not None:
             self._work.wait()
+            chunk = self._chunk
+            if chunk.dtype != self._output.dtype:  # a narrower input: cast up (exact) before dividing
+                self._output.copy_(chunk)
+                chunk = self._output
             if self._divide_by != 1:
-                torch.div(self._chunk, self._divide_by, out=self._output)
-            elif self._chunk is not self._output:
-                self._output.copy_(self._chunk)
+                torch.div(chunk, self._divide_by, out=self._output)
+            elif chunk is not self._output:
+                self._output.copy_(chunk)
             self._work = self._chunk = None
         return True
