@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import bench_zero3  # noqa: E402
-from gpt_model import GPT, GPTConfig  # noqa: E402,F401
+from gpt_model import GPTConfig  # noqa: E402
 
 
 def _rss_mib() -> dict[str, float]:
@@ -43,7 +44,7 @@ def _reset_peak() -> None:
         refs.write("5")
 
 
-def _phase(run, base: float) -> str:
+def _phase(run: Callable[[], Any], base: float) -> tuple[Any, str]:
     """Run ``run()`` with a fresh peak mark; its peak and end RSS over ``base``."""
     _reset_peak()
     result = run()
@@ -51,7 +52,9 @@ def _phase(run, base: float) -> str:
     return result, f"peak +{rss['VmHWM'] - base:.0f} end +{rss['VmRSS'] - base:.0f}"
 
 
-def _worker(rank: int, world: int, port: int, system: str, config, args, out) -> None:
+def _worker(rank: int, world: int, port: int, system: str, config: GPTConfig, args: argparse.Namespace,
+            out: Any) -> None:
+    """One rank: build ``system``, train, record each phase's peak and end RSS into ``out``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
