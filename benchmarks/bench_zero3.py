@@ -14,7 +14,7 @@ on a machine shared with other jobs wall time swings with their load, CPU time m
 
 ``--dtype bf16`` (issue 15's anchor): DDP in fp32 is the reference loss; FSDP2 with bf16
 params and fp32 reduce (``MixedPrecisionPolicy``) and parts with ``MixedPrecision()`` (fp32
-shards gathered as bf16, grads reduce-scattered in fp32) train the same model on Python text
+shards gathered as bf16, grads summed in fp32) train the same model on Python text
 from the standard library (recipes/chardata.py: random tokens would hide the precision gap)
 with AdamW(lr 3e-4, betas 0.9/0.95, weight decay 0.1), 3 + 20 steps; the table adds each
 system's final loss against the fp32 one.
@@ -217,8 +217,10 @@ def main() -> None:
             mp.spawn(_worker, args=(args.world_size, _free_port(), system, config, args, results),
                      nprocs=args.world_size)
             runs.setdefault(system, []).append(results[system])
-            print(f"  round {round_no + 1}/{args.rounds} {system}: {results[system]['step']:.3f} s "
-                  f"(CPU {results[system]['cpu']:.3f} s)", flush=True)
+            row = results[system]
+            print(f"  round {round_no + 1}/{args.rounds} {system}: {row['step']:.3f} s (CPU {row['cpu']:.3f} s), "
+                  f"peak RSS {row['peak_rss'] / 2**20:.0f} MiB, loss {row['loss']:.4f}, "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
     _print_table({system: _combine(rows) for system, rows in runs.items()}, params)
     _print_paired(runs)
     if not args.no_overhead:

@@ -76,3 +76,30 @@ def _rs_cases(numels):
        seed=st.integers(0, 2**16))
 def test_reduce_scatter_consuming_equals_reduce_scatter(world, numels, seed):
     assert run(world, body_reduce_scatter_consuming, numels, seed) == [True] * world
+
+
+def body_reduce_scatter_narrow_input(numels, seed):
+    """bf16 input, fp32 output (MixedPrecision's grads): bitwise the result of casting the
+    input up first, for a sum (bf16 on the wire on gloo) and a max, world and sub-group."""
+    rank = dist.get_rank()
+    for group in _world_and_rest():
+        size = dist.get_world_size(group)
+        for numel, op, divide_by, async_op in [*_rs_cases(numels), (numels[0], dist.ReduceOp.SUM, 3, False)]:
+            g = torch.Generator().manual_seed(seed + rank)
+            grad = torch.randn(size * numel, generator=g).to(torch.bfloat16)
+            expected = torch.empty(numel)
+            reduce_scatter_consuming(expected, grad.float(), op=op, group=group, divide_by=divide_by)
+            got = torch.full((numel,), 7.0)
+            work = reduce_scatter_consuming(got, grad, op=op, group=group, async_op=async_op,
+                                            divide_by=divide_by)
+            if async_op:
+                work.wait()
+            assert torch.equal(got, expected), (group is None, numel, op, divide_by)
+    return True
+
+
+@settings(max_examples=8, deadline=None)
+@given(world=st.integers(1, 4), numels=st.lists(st.integers(0, 3000), min_size=1, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_reduce_scatter_consuming_sums_a_narrow_input_in_the_output_dtype(world, numels, seed):
+    assert run(world, body_reduce_scatter_narrow_input, numels, seed) == [True] * world

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from parts._compat import all_gather_flat, reduce_scatter_flat
 from parts.comm.counter import comm_counter, wire_bytes
-from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
+from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming, sums_on_receipt
 from parts.comm.group import GroupArg, GroupInfo, group_info, is_distributed
 from parts.comm.packed import FinishAfter, PackedAllGather, PackedReduceScatter, split_small
 from parts.comm.work import Waitable, Work, WorkList
@@ -52,8 +52,10 @@ def _packing(collective: Callable, packer: type, outs: Sequence[torch.Tensor],
              ins: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor], info: GroupInfo,
              async_op: bool) -> Optional[Waitable]:
     """The small pairs (by their per-rank ``chunks``) in one packed collective, the others
-    straight; one handle for all, whose ``wait()`` also unpacks (``parts.comm.packed``)."""
-    packed, direct = split_small([c.numel() for c in chunks], [c.dtype for c in chunks])
+    straight; one handle for all, whose ``wait()`` also unpacks (``parts.comm.packed``).
+    Pairs pack together only if both their dtypes agree."""
+    kinds = [(o.dtype, i.dtype) for o, i in zip(outs, ins)]
+    packed, direct = split_small([c.numel() for c in chunks], kinds)
     if not packed or info.world_size == 1:
         return _run_many(collective, outs, ins, info, async_op)
     pack = packer([outs[i] for i in packed], [ins[i] for i in packed], info.world_size)
@@ -79,8 +81,11 @@ def reduce_scatter_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor
                         async_op: bool = False, average: bool = False) -> Optional[Waitable]:
     """Sum (or with ``average`` mean) every ``ins[k]`` over ranks, this rank's chunk into
     ``outs[k]``; counted as one call, small ones packed into one flat collective.
-    ``ins`` may be overwritten (see ``parts.comm.gloo``)."""
-    comm_counter.add("reduce_scatter", wire_bytes(sum(_nbytes(o) for o in outs), info.world_size))
+    ``ins`` may be overwritten, and narrower than ``outs`` (the sums run in ``outs``' dtype;
+    on gloo the chunks travel narrow: see ``parts.comm.gloo``)."""
+    narrow = info.world_size > 1 and sums_on_receipt(dist.ReduceOp.SUM, info.group)
+    chunk_bytes = sum(o.numel() * (i if narrow else o).element_size() for o, i in zip(outs, ins))
+    comm_counter.add("reduce_scatter", wire_bytes(chunk_bytes, info.world_size))
     divide_by = info.world_size if average else 1
     collective = partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM, divide_by=divide_by)
     return _packing(collective, PackedReduceScatter, outs, ins, outs, info, async_op)

@@ -11,7 +11,12 @@ gloo's all-gather receives into a fresh flat buffer and then copies it out; when
 pages cost page faults (freed large blocks returned to the OS) that doubles its CPU time
 (4 MB shard at world 2: 10.5 ms against 4.9 ms for one broadcast per rank straight into
 the output), so ``all_gather_direct`` broadcasts there: the same bytes on the wire.
-Other backends use torch's collectives. Nothing here counts bytes (``collectives`` does).
+Because the direct exchange adds the chunks on receipt, its input may be narrower than its
+output (bf16 grads, fp32 sums: ``MixedPrecision``): the chunks travel in the input's dtype
+and are added in the output's, the same sums bitwise as casting the whole input up first
+(a widening cast is exact), with half the bytes and no full-size fp32 copy.
+Other backends use torch's collectives (a narrower input is cast up first).
+Nothing here counts bytes (``collectives`` does).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.distributed as dist
 from parts._compat import all_gather_flat, reduce_scatter_flat
 from parts.comm.work import Waitable, WorkList
 
-__all__ = ["all_gather_direct", "reduce_scatter_consuming"]
+__all__ = ["all_gather_direct", "reduce_scatter_consuming", "sums_on_receipt"]
 
 
 def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
@@ -48,12 +53,21 @@ def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
     return rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
 
 
+def sums_on_receipt(op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True when ``reduce_scatter_consuming`` adds the received chunks itself (gloo, a sum), so
+    its input travels in its own dtype even when the output is wider."""
+    return dist.get_backend(group) == "gloo" and op == dist.ReduceOp.SUM
+
+
 def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
                              group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
                              divide_by: int = 1) -> Any:
     """``reduce_scatter_flat``, then ``output`` divided by ``divide_by``; ``input`` may be
-    overwritten. On gloo a sum is a direct exchange of chunks (``_exchange_sum``), other ops
-    an all-reduce of ``input`` and a slice."""
+    overwritten, and may be narrower than ``output`` (summed in ``output``'s dtype). On gloo a
+    sum is a direct exchange of chunks (``_exchange_sum``), other ops an all-reduce of
+    ``input`` and a slice."""
+    if input.dtype != output.dtype and not sums_on_receipt(op, group):
+        input = input.to(output.dtype)  # the reduction itself must run in the output's dtype
     if dist.get_backend(group) != "gloo":
         work = reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
         work = _SliceWhenDone(work, output, output, divide_by)
@@ -70,13 +84,15 @@ def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any 
 
 def _exchange_sum(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], divide_by: int) -> Any:
     """Send every other rank its chunk of ``input``, receive this rank's chunk from each (the
-    first straight into ``output``); the handle sums them in rank order, then divides."""
+    first straight into ``output`` when the dtypes agree); the handle sums them in rank order
+    in ``output``'s dtype, then divides."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = input.view(world, -1)
     peers = [r for r in range(world) if r != rank]
     if chunks.shape[1] == 0 or not peers:
         return _SliceWhenDone(WorkList([]), output, chunks[rank], divide_by)
-    terms = [output if r == peers[0] else chunks[r] if r == rank else torch.empty_like(output)
+    direct = input.dtype == output.dtype
+    terms = [chunks[r] if r == rank else output if direct and r == peers[0] else torch.empty_like(chunks[r])
              for r in range(world)]
     works = [dist.isend(chunks[r], _global_rank(group, r), group=group) for r in peers]
     works += [dist.irecv(terms[r], _global_rank(group, r), group=group) for r in peers]
@@ -93,8 +109,12 @@ class _SumWhenDone:
         """Wait for the transfers, then add the terms in rank order (and divide)."""
         if self._work is not None:
             self._work.wait()
-            first, second, *rest = self._terms  # ``output`` is one of the first two
-            torch.add(first, second, out=self._output)
+            first, second, *rest = self._terms  # ``output`` is one of the first two, or no term
+            if first.dtype == self._output.dtype:
+                torch.add(first, second, out=self._output)
+            else:  # narrower terms: cast up exactly, add in the output's dtype
+                self._output.copy_(first)
+                self._output.add_(second)
             for term in rest:
                 self._output.add_(term)
             if self._divide_by != 1:
@@ -113,9 +133,13 @@ class _SliceWhenDone:
         """Wait for the collective, then copy (and divide) the chunk."""
         if self._work is not None:
             self._work.wait()
+            chunk = self._chunk
+            if chunk.dtype != self._output.dtype:  # a narrower input: cast up (exact) before dividing
+                self._output.copy_(chunk)
+                chunk = self._output
             if self._divide_by != 1:
-                torch.div(self._chunk, self._divide_by, out=self._output)
-            elif self._chunk is not self._output:
-                self._output.copy_(self._chunk)
+                torch.div(chunk, self._divide_by, out=self._output)
+            elif chunk is not self._output:
+                self._output.copy_(chunk)
             self._work = self._chunk = None
         return True

@@ -19,7 +19,7 @@ chunk of ``in_i``) and receives ``N``: this rank's reduced chunks side by side.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
@@ -30,14 +30,14 @@ PACK_NUMEL = 1 << 18
 copies in and out cost less than a collective's fixed cost up to about 1 MiB of fp32."""
 
 
-def split_small(chunk_numels: Sequence[int], dtypes: Sequence[torch.dtype],
+def split_small(chunk_numels: Sequence[int], dtypes: Sequence[Hashable],
                 limit: int = PACK_NUMEL) -> tuple[list[int], list[int]]:
     """``(packed, direct)`` indices: chunks of at most ``limit`` elements of the most common
-    small dtype go in one packed collective if there are at least two, the rest go direct."""
+    small dtype (or dtype pair) go in one packed collective if there are at least two, the rest direct."""
     small = [i for i, n in enumerate(chunk_numels) if 0 < n <= limit]
     if len(small) < 2:
         return [], list(range(len(chunk_numels)))
-    counts: dict[torch.dtype, int] = {}
+    counts: dict[Hashable, int] = {}
     for i in small:
         counts[dtypes[i]] = counts.get(dtypes[i], 0) + 1
     dtype = max(counts, key=lambda d: (counts[d], str(d)))
@@ -68,7 +68,8 @@ class PackedAllGather:
 
 class PackedReduceScatter:
     """Reduce-scatter of ``ins`` (1-D, ``w * len(out)`` each) into ``outs`` as one flat
-    collective: ``send``/``recv`` are the buffers to move, ``finish()`` unpacks."""
+    collective: ``send``/``recv`` (``ins``' and ``outs``' dtypes) are the buffers to move,
+    ``finish()`` unpacks."""
 
     def __init__(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], world: int) -> None:
         self.outs = list(outs)
@@ -78,7 +79,7 @@ class PackedReduceScatter:
         send = torch.empty(world, total, dtype=first.dtype, device=first.device)
         torch.cat([t.view(world, n) for t, n in zip(ins, self.numels)], dim=1, out=send)
         self.send = send.view(-1)
-        self.recv = torch.empty(total, dtype=first.dtype, device=first.device)
+        self.recv = torch.empty(total, dtype=outs[0].dtype, device=first.device)
 
     def finish(self) -> None:
         """Copy this rank's reduced chunk of every tensor into ``outs``."""

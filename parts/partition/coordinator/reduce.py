@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parts.comm import GroupArg, Waitable
+from parts.comm import GroupArg, Waitable, comm_counter
 from parts.partition.coordinator.debug import StepCheck
-from parts.partition.coordinator.plan import Knobs, collective_bytes
+from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
@@ -32,7 +32,7 @@ class GradReducer:
     def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, check: StepCheck,
                  counters: StepCounters, reduce_dtype: torch.dtype = torch.float32) -> None:
         self.table, self.knobs, self.group, self.check, self.counters = table, knobs, group, check, counters
-        self.reduce_dtype = reduce_dtype  # grads are reduce-scattered in it (MixedPrecision.reduce_dtype)
+        self.reduce_dtype = reduce_dtype  # grads are summed in it (MixedPrecision.reduce_dtype)
         self._pending: list[nn.Parameter] = []  # complete full grads awaiting reduce-scatter
         self._pending_numel = 0
         self._reducing: list[Waitable] = []  # reduce-scatters in flight (overlap_comm)
@@ -62,12 +62,10 @@ class GradReducer:
         ids = [self.table.pid(p) for p in params]
         self.check.point(step, "reduce", ids=ids)
         self.counters.reduce_scatter_calls += 1
-        for pid in ids:
-            m = self.table.records[pid]
-            self.counters.reduce_scatter_bytes += collective_bytes(m.layout.shard_numel, m.world_size,
-                                                                   self.reduce_dtype.itemsize)
+        sent = comm_counter.reduce_scatter_bytes  # the wire bytes (bf16 grads may travel as bf16)
         handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm,
                                       dtype=self.reduce_dtype)
+        self.counters.reduce_scatter_bytes += comm_counter.reduce_scatter_bytes - sent
         self.wait()  # the previous bucket: at most two buckets in flight
         if handle is not None:
             self._reducing.append(handle)

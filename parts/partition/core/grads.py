@@ -1,9 +1,12 @@
 """Full gradients to gradient shards (one group of reduce-scatters), and ``shards``.
 
 ``reduce_scatter_grads`` reduce-scatters (sum) every full ``p.grad`` in ``dtype`` (fp32 by
-default, whatever the param dtype): the grad itself is the send buffer when it already is
-a flat fp32 tensor of ``world_size * shard_numel`` elements, else a padded copy (padding
-zeroed). It divides by the group size when ``average`` (DDP semantics) and adds the
+default, whatever the param dtype): the sums run in ``dtype``. A grad that ``dtype`` holds
+exactly (bf16 grads of a ``MixedPrecision`` gather, fp32 sums) is sent in its own dtype and
+cast up chunk by chunk as the collective adds it (on gloo it also travels as bf16: half the
+bytes, no full-size fp32 copy of it; ``parts.comm.gloo``); any other is cast to ``dtype``
+first. The grad itself is the send buffer when it already is a flat tensor of
+``world_size * shard_numel`` elements in the send dtype, else a padded copy (padding zeroed). It divides by the group size when ``average`` (DDP semantics) and adds the
 result into ``meta(p).grad_shard`` (the result becomes the grad shard if there is none;
 overwrites it when ``accumulate=False``). Params whose ``.grad`` is None are skipped:
 every rank must pass the same params with the same None pattern, or the collectives
@@ -33,16 +36,19 @@ _FULL_PRECISION = (torch.float32,)
 
 
 def _send_for(p: nn.Parameter, m: Any, dtype: torch.dtype, world: int) -> torch.Tensor:
-    """The full grad as a flat ``dtype`` send buffer of ``world * shard_numel`` elements:
-    the grad itself when it already is one, else a copy with the padding zeroed."""
+    """The full grad as a flat send buffer of ``world * shard_numel`` elements, in its own
+    dtype if ``dtype`` holds it exactly, else in ``dtype``: the grad itself when it already
+    is one, else a copy with the padding zeroed."""
     grad = p.grad.detach().reshape(-1)
     if grad.numel() != m.numel:
         raise RuntimeError(f"reduce_scatter_grads: {m.describe()} has a grad of "
                            f"{grad.numel()} elements, expected {m.numel}")
     padded = world * m.layout.shard_numel
-    if grad.dtype == dtype and padded == m.numel and grad.device == m.device:
+    exact = grad.is_floating_point() and torch.promote_types(grad.dtype, dtype) == dtype
+    send_dtype = grad.dtype if exact else dtype
+    if grad.dtype == send_dtype and padded == m.numel and grad.device == m.device:
         return grad
-    send = alloc(padded, dtype, m.device)
+    send = alloc(padded, send_dtype, m.device)
     send[:m.numel].copy_(grad)
     send[m.numel:].zero_()
     return send

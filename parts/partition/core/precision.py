@@ -5,8 +5,8 @@ The policy is plain data. ``attach(model, mixed_precision=policy)`` hands it to
 from then on the coordinator's gathers (``gather(..., compute=True)``) cast each shard to
 that dtype *before* the all-gather (the wire carries bf16 bytes and the full tensor is
 bf16), autograd produces bf16 full grads, and ``reduce_scatter_grads(dtype=reduce_dtype)``
-casts them up before the reduce-scatter and accumulates the grad shards in fp32 across
-micro-batches. The fp32 shards never change dtype, so ``torch.optim.AdamW(shards(model))``
+sums them in fp32 (casting each chunk up as it is added, so no full-size fp32 copy of a grad
+is made on gloo) and accumulates the grad shards in fp32 across micro-batches. The fp32 shards never change dtype, so ``torch.optim.AdamW(shards(model))``
 steps the masters directly: there is no separate master copy.
 
 Modules of a ``keep_fp32`` type (e.g. ``nn.LayerNorm``) keep their parameters gathered in
