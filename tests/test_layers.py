@@ -69,3 +69,9 @@ def test_importing_checkpoint_loads_no_other_part() -> None:
                          cwd=PARTS.parent).stdout
     loaded = set(ast.literal_eval(out.strip().splitlines()[-1]))
     assert loaded <= BASE_LAYER | {"checkpoint"}, loaded
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PARTS)))
+def test_no_module_is_over_400_lines(path: Path) -> None:
+    """CONTRIBUTING's limit: one concept per module, none over 400 lines."""
+    assert len(path.read_text().splitlines()) <= 400, path
