@@ -1,6 +1,7 @@
 """OffloadedOptimizer: bitwise the in-memory optimizer, its state in a DiskStore between steps."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -139,3 +140,19 @@ def body_sharded(name, tmp):
 def test_world2_shards_bitwise(tmp_path, name):
     out = run(2, body_sharded, name, str(tmp_path))
     assert all(same for same, _ in out) and all(keys >= 6 for _, keys in out)
+
+
+def test_two_optimizers_on_one_prefix_of_a_store_raise(tmp_path):
+    """Before: a second OffloadedOptimizer on the same store and prefix silently overwrote the
+    first one's state tensors (same keys). Now it raises naming the prefix; another prefix, or
+    the same prefix once the first optimizer is gone, works."""
+    store = DiskStore(str(tmp_path))
+    first_model, second_model = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    first = OffloadedOptimizer(torch.optim.Adam(first_model.parameters()), store)
+    with pytest.raises(ValueError, match="key prefix 'optim' belongs to a live OffloadedOptimizer"):
+        OffloadedOptimizer(torch.optim.Adam(second_model.parameters()), store)
+    OffloadedOptimizer(torch.optim.Adam(second_model.parameters()), store, prefix="second")
+    del first
+    gc.collect()
+    OffloadedOptimizer(torch.optim.Adam(second_model.parameters()), store)
+    store.close()

@@ -61,6 +61,7 @@ class OffloadedOptimizer(OptimizerWrapper):
             raise TypeError(f"OffloadedOptimizer: store must be a parts.offload.DiskStore, got {type(store).__name__}")
         if chunk_bytes < 1:
             raise ValueError(f"OffloadedOptimizer: chunk_bytes must be >= 1, got {chunk_bytes}")
+        store.claim(prefix, self)
         self.store, self.chunk_bytes, self.prefix = store, int(chunk_bytes), prefix
         # the chunk step() uses: at most half the store's in-flight cap, so the next chunk's reads
         # and the last one's writes are in flight together (a larger chunk makes each submission

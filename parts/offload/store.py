@@ -27,7 +27,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -160,8 +160,19 @@ class DiskStore:
         self._errors: list[BaseException] = []
         self._local = threading.local()
         self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(threads, thread_name_prefix="parts-offload")
+        self._owners: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------ public API
+    def claim(self, prefix: str, owner: Any) -> None:
+        """Reserve the keys under ``prefix`` for ``owner`` while it lives: two owners of one
+        prefix would overwrite each other's tensors without a sound."""
+        holder = self._owners.get(prefix)
+        if holder is not None and holder is not owner:
+            raise ValueError(f"DiskStore {self.path!r}: key prefix {prefix!r} belongs to a live "
+                             f"{type(holder).__name__}; give this {type(owner).__name__} another "
+                             f"prefix= (or drop the other one first)")
+        self._owners[prefix] = owner
+
     def write(self, key: str, tensor: torch.Tensor) -> IOHandle:
         """Store ``tensor``'s bytes under ``key`` (replacing them); keep ``tensor`` unchanged until waited."""
         self._check_open("write")
