@@ -201,3 +201,19 @@ def test_deleted_keys_free_their_files_and_names_are_not_reused(store):
     out = torch.empty(3000)
     store.read("b", out).wait()
     assert torch.equal(out, torch.full((3000,), 2.0))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_empty_writes_between_writes_keep_the_key_in_order(tmp_path, direct):
+    """Before: an empty write finished at once and the next write of the key waited only for it,
+    so an earlier write still in flight could land last and a read returned stale bytes."""
+    with DiskStore(tmp_path, threads=4, block_bytes=4096, direct=direct) as store:
+        for trial in range(200):
+            first, last = torch.tensor([float(trial)]), torch.tensor([-float(trial) - 1])
+            handles = [store.write("k", first), store.write("k", torch.empty(0)),
+                       store.write("k", torch.empty(0)), store.write("k", last)]
+            out = torch.empty(1)
+            handles.append(store.read("k", out))
+            for handle in handles:
+                handle.wait()
+            assert torch.equal(out, last), (trial, out.item(), last.item())

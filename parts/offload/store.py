@@ -294,7 +294,8 @@ class DiskStore:
         n = data.numel()
         starts = list(range(0, n, self.block_bytes))
         op = _Op(len(starts), n, key, entry.last)
-        entry.last = op
+        if starts:  # an empty op finishes at once: the next one must wait for the last that moves bytes
+            entry.last = op
         self._acquire(n, writing)
         if not starts:
             self._finish(op, writing, 0.0)
