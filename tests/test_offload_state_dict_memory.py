@@ -101,16 +101,19 @@ def body_full_state_dict(tmp):
     same = rank != 0 or all(torch.equal(loaded[k], sd[k]) for k in sd)
     store.close()
     return dict(bound=bound, save=over_save, control=control, load=over_load, reads=reads,
-                shard_bytes=total, same=same)
+                shard_bytes=total, same=same,
+                shard=max(meta(p).layout.shard_numel * 4 for p in model.parameters()))
 
 
 def test_full_state_dicts_hold_one_parameter(tmp_path):
     for r in run(2, body_full_state_dict, str(tmp_path)):
         assert r["same"]
         assert r["reads"] == r["shard_bytes"]  # every shard read exactly once
-        assert 0 < r["save"] <= r["bound"], r
-        assert 0 < r["load"] <= r["bound"], r
-        assert r["control"] > r["bound"], r  # the measurement sees a bucket of many params
+        # gloo's worker thread may hold the previous all-gather's input shard a moment after
+        # wait() returns (seen under load in CI: 96 bytes over), hence one shard of slack
+        assert 0 < r["save"] <= r["bound"] + r["shard"], r
+        assert 0 < r["load"] <= r["bound"] + r["shard"], r
+        assert r["control"] > 2 * r["bound"], r  # the measurement sees a bucket of many params
 
 
 def body_optimizer_state_dict(tmp):
