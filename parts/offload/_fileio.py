@@ -1,10 +1,13 @@
 """Positional file IO on raw tensor memory: direct (``O_DIRECT``) or buffered, no numpy.
 
 Direct IO needs the file offset, the length and the memory address aligned to the device
-block (``ALIGN`` = 4096 covers 512- and 4096-byte devices), so it goes through an aligned
-bounce buffer (one per IO thread) and pads the last block of a file with zeros; the true
-length lives in the store's index. Buffered IO reads and writes the caller's memory
-directly. Both loop over short transfers; a write that makes no progress is a full disk,
+block (``ALIGN`` = 4096 covers 512- and 4096-byte devices). A transfer whose memory starts
+``ALIGN``-aligned (``aligned_empty`` makes such tensors) moves its whole blocks straight
+from or into that memory and only its last partial block (under ``ALIGN`` bytes) through
+an aligned bounce buffer, so the bytes beyond the tensor are never touched; a transfer
+from unaligned memory is copied through the bounce buffer whole. Files are padded to
+whole blocks with zeros; the true length lives in the store's index. Buffered IO reads and
+writes the caller's memory directly. Both loop over short transfers; a write that makes no progress is a full disk,
 never a silent short write. ``OPS`` holds the system calls so a test can make them fail.
 """
 
@@ -14,14 +17,15 @@ import ctypes
 import errno
 import os
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["ALIGN", "OPS", "DiskFullError", "aligned_buffer", "round_up", "probe_direct",
-           "open_file", "reserve", "write_bytes", "read_bytes"]
+__all__ = ["ALIGN", "ALIGN_MIN", "OPS", "DiskFullError", "aligned_buffer", "aligned_empty", "worth_aligning",
+           "is_aligned", "round_up", "probe_direct", "open_file", "reserve", "write_bytes", "read_bytes"]
 
 ALIGN = 4096
+ALIGN_MIN = 16 * ALIGN
 OPS = SimpleNamespace(pwritev=os.pwritev, preadv=os.preadv, fallocate=getattr(os, "posix_fallocate", None))
 """The system calls used; tests replace an entry to simulate a failing or full device."""
 
@@ -42,6 +46,33 @@ def aligned_buffer(nbytes: int, align: int = ALIGN) -> torch.Tensor:
     raw = torch.empty(nbytes + align, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % align
     return raw[skip:skip + nbytes]
+
+
+def worth_aligning(nbytes: int) -> bool:
+    """True for a tensor of ``nbytes`` that ``aligned_empty`` aligns: at least ``ALIGN_MIN`` bytes, so
+    the ``ALIGN`` extra bytes cost at most 1/16 of it (a smaller one is copied, at most 64 KiB)."""
+    return nbytes >= ALIGN_MIN
+
+
+def aligned_empty(numel: int, dtype: torch.dtype,
+                  alloc: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None) -> torch.Tensor:
+    """A fresh 1-D ``dtype`` tensor of ``numel`` elements from ``alloc(n, dtype)`` (``torch.empty`` by
+    default); if ``worth_aligning``, a view starting ``ALIGN``-aligned into one ``ALIGN`` bytes longer,
+    which direct IO moves without a copy (unaligned only if the allocator's alignment is not a
+    multiple of the element size: never for torch's 64-byte CPU allocations)."""
+    itemsize = dtype.itemsize
+    extra = -(-ALIGN // itemsize) if worth_aligning(numel * itemsize) else 0
+    raw = alloc(numel + extra, dtype) if alloc is not None else torch.empty(numel + extra, dtype=dtype)
+    if not extra:
+        return raw
+    skip = (-raw.data_ptr()) % ALIGN
+    start = skip // itemsize if skip % itemsize == 0 else 0
+    return raw[start:start + numel]
+
+
+def is_aligned(t: torch.Tensor) -> bool:
+    """True if ``t``'s first byte is ``ALIGN``-aligned (direct IO can use its memory as is)."""
+    return t.data_ptr() % ALIGN == 0
 
 
 def _view(t: torch.Tensor, start: int, length: int) -> memoryview:
@@ -121,23 +152,42 @@ def _loop(call: Callable, fd: int, buf: torch.Tensor, length: int, offset: int, 
         done += n
 
 
-def write_bytes(fd: int, path: str, src: torch.Tensor, offset: int, bounce: torch.Tensor | None) -> None:
-    """Write the uint8 tensor ``src`` at ``offset``; via ``bounce`` (zero-padded to ``ALIGN``) if direct."""
+Scratch = Callable[[int], torch.Tensor]
+"""``scratch(n)``: this IO thread's aligned bounce buffer, at least ``n`` bytes long."""
+
+
+def _direct_body(t: torch.Tensor) -> int:
+    """Bytes of uint8 tensor ``t`` that direct IO moves straight from or into its memory."""
+    n = t.numel()
+    return n - n % ALIGN if is_aligned(t) else 0
+
+
+def write_bytes(fd: int, path: str, src: torch.Tensor, offset: int, scratch: Optional[Scratch]) -> int:
+    """Write the uint8 tensor ``src`` at ``offset`` (direct IO when ``scratch`` is given: whole blocks
+    straight from aligned memory, the rest zero-padded through ``scratch``); returns bytes copied."""
     n = src.numel()
-    if bounce is None:
-        _loop(OPS.pwritev, fd, src, n, offset, path, True)
-        return
-    padded = round_up(n)
-    bounce[:n].copy_(src)
-    bounce[n:padded].zero_()
-    _loop(OPS.pwritev, fd, bounce, padded, offset, path, True)
+    body = _direct_body(src) if scratch is not None else n
+    if body:
+        _loop(OPS.pwritev, fd, src, body, offset, path, True)
+    rest = n - body
+    if rest:
+        bounce = scratch(round_up(rest))
+        bounce[:rest].copy_(src[body:])
+        bounce[rest:round_up(rest)].zero_()
+        _loop(OPS.pwritev, fd, bounce, round_up(rest), offset + body, path, True)
+    return rest
 
 
-def read_bytes(fd: int, path: str, dst: torch.Tensor, offset: int, bounce: torch.Tensor | None) -> None:
-    """Read ``dst.numel()`` bytes at ``offset`` into the uint8 tensor ``dst`` (via ``bounce`` if direct)."""
+def read_bytes(fd: int, path: str, dst: torch.Tensor, offset: int, scratch: Optional[Scratch]) -> int:
+    """Read ``dst.numel()`` bytes at ``offset`` into the uint8 tensor ``dst`` (direct IO when ``scratch``
+    is given, as ``write_bytes``: bytes beyond ``dst`` are never written); returns bytes copied."""
     n = dst.numel()
-    if bounce is None:
-        _loop(OPS.preadv, fd, dst, n, offset, path, False)
-        return
-    _loop(OPS.preadv, fd, bounce, round_up(n), offset, path, False)
-    dst.copy_(bounce[:n])
+    body = _direct_body(dst) if scratch is not None else n
+    if body:
+        _loop(OPS.preadv, fd, dst, body, offset, path, False)
+    rest = n - body
+    if rest:
+        bounce = scratch(round_up(rest))
+        _loop(OPS.preadv, fd, bounce, round_up(rest), offset + body, path, False)
+        dst[body:].copy_(bounce[:rest])
+    return rest

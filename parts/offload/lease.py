@@ -146,7 +146,7 @@ class Stored:
         """The whole stored tensor, read into fresh memory (the owner's, if it is loaded)."""
         if self.owner is not None and parking.is_resident(self.owner):
             return self.owner.detach().reshape(-1).clone()
-        out = torch.empty(self.total, dtype=self.dtype)
+        out = parking.empty_for_io((self.total,), self.dtype)
         self.store.read(self.key, out).wait()
         return out
 

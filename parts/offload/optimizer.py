@@ -165,7 +165,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         for p in chunk:
             state = self.optimizer.state[p]
             for name, (shape, dtype) in self._placed.get(id(p), {}).items():
-                state[name] = torch.empty(shape, dtype=dtype)
+                state[name] = parking.empty_for_io(shape, dtype)
                 batch.handles.append(self.store.read(self._key(p, name), state[name]))
             if parking.parked(p) is not None:
                 parking.prefetch(p)
@@ -249,7 +249,7 @@ class OffloadedOptimizer(OptimizerWrapper):
     def state_of_key(self, p: torch.Tensor, name: str) -> torch.Tensor:
         """Offloaded state tensor ``name`` of ``p``, read into fresh memory."""
         shape, dtype = self._placed[id(p)][name]
-        out = torch.empty(shape, dtype=dtype)
+        out = parking.empty_for_io(shape, dtype)
         self.store.read(self._key(p, name), out).wait()
         return out
 

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
 from parts.offload.store import DiskStore, IOHandle
 
 __all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "save", "is_resident",
-           "version", "overwrite", "replace", "accumulate_grad", "load_grad", "has_grad", "clear_grad"]
+           "version", "overwrite", "replace", "accumulate_grad", "load_grad", "has_grad", "clear_grad",
+           "empty_for_io"]
 
 _ATTR = "_parts_parked"
 
@@ -120,12 +122,33 @@ def version(t: torch.Tensor) -> int:
     return parked(t).version
 
 
+def empty_for_io(shape: torch.Size | tuple, dtype: torch.dtype,
+                 alloc: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None) -> torch.Tensor:
+    """A fresh tensor a store moves without a copy (``ALIGN``-aligned memory: direct IO reads
+    into it and writes from it in place); from ``alloc(numel, dtype)`` if given."""
+    return aligned_empty(torch.Size(shape).numel(), dtype, alloc).view(shape)
+
+
+def _refill(t: torch.Tensor, record: Parked) -> None:
+    """Give parked ``t``'s empty storage room for its bytes, starting ``ALIGN``-aligned if
+    ``worth_aligning`` (the storage is ``ALIGN`` bytes longer and ``t`` starts inside it, so
+    direct IO needs no copy; ``set_`` moves its start, which bumps its version counter)."""
+    storage = t.untyped_storage()
+    extra = ALIGN if worth_aligning(record.nbytes) else 0
+    storage.resize_(record.nbytes + extra)
+    skip = (-storage.data_ptr()) % ALIGN
+    offset = skip // t.element_size() if extra and skip % t.element_size() == 0 else 0
+    if offset != t.storage_offset():
+        with torch.no_grad():
+            t.set_(storage, offset, t.shape, t.stride())
+
+
 def prefetch(t: torch.Tensor) -> None:
     """Start reading ``t``'s bytes into its (refilled) storage; no-op if resident or in flight."""
     record = parked(t)
     if record.resident or record.pending is not None:
         return
-    t.untyped_storage().resize_(record.nbytes)
+    _refill(t, record)
     record.pending = record.store.read(record.key, t)
 
 
@@ -173,7 +196,7 @@ def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:
             and values.device.type == "cpu":
         replace(t, values.detach())
         return
-    t.untyped_storage().resize_(record.nbytes)
+    _refill(t, record)
     record.resident = True
     with torch.no_grad():
         t.copy_(values)
@@ -203,7 +226,7 @@ def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True
     """Add ``part`` into ``t``'s stored grad (or store it: first grad, or ``accumulate=False``)."""
     record = _grad_record(parked(t))
     if accumulate and record.grad_dtype is not None:
-        current = torch.empty(t.shape, dtype=record.grad_dtype)
+        current = empty_for_io(t.shape, record.grad_dtype)
         record.store.read(record.grad_key, current).wait()
         current.add_(part.to(current.device))
         part = current
@@ -220,7 +243,7 @@ def has_grad(t: torch.Tensor) -> bool:
 def load_grad(t: torch.Tensor) -> tuple[torch.Tensor, IOHandle]:
     """A fresh tensor and the handle of the read filling it with ``t``'s stored grad."""
     record = _grad_record(parked(t))
-    grad = torch.empty(t.shape, dtype=record.grad_dtype)
+    grad = empty_for_io(t.shape, record.grad_dtype)
     return grad, record.store.read(record.grad_key, grad)
 
 

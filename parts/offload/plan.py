@@ -10,8 +10,14 @@ Memory bound (bytes one rank holds above its baseline during an offloaded ZeRO-3
     optimizer          3 * max(chunk_bytes, largest)           chunks being read, stepped, written
                                                                (a parameter whose own bytes, grad and
                                                                state exceed chunk_bytes is one chunk)
-    store              threads * block_bytes + max_inflight    bounce buffers, transfers queued
+    store              threads * block_bytes + max_inflight    bounce buffers, transfers queued (a
+                                                               thread's bounce buffer is 4 KiB while every
+                                                               transfer it ran was aligned; it grows to a
+                                                               block at the first unaligned one: a fresh
+                                                               optimizer state, a caller's own tensor)
     grads              2 * reduce_bucket * 4                   full fp32 grads awaiting reduce-scatter
+    alignment          (shards + optimizer + grads) / 16       a buffer the store fills starts 4096-aligned:
+                                                               4 KiB longer, only if at least 64 KiB
     activations        (the model's; measured, or estimated by the caller)
 
 ``memory_bound`` adds these up; the bound holds whatever the model size, which is the
@@ -66,4 +72,5 @@ def memory_bound(b: OffloadBudget, activations: int = 0) -> int:
     optimizer = 3 * max(b.chunk_bytes, b.largest_step_bytes)
     store = b.store_threads * b.block_bytes + b.max_inflight_bytes
     grads = 2 * b.reduce_bucket_size * 4
-    return live + shards + optimizer + store + grads + activations
+    alignment = (shards + optimizer + grads) // 16
+    return live + shards + optimizer + store + grads + alignment + activations

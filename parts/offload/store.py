@@ -4,11 +4,15 @@ Each key is one file in a private scratch directory (``parts-store-*`` under ``p
 removed on ``close()``, when the store is garbage collected, and at interpreter exit.
 ``write``/``read`` split a transfer into pieces of ``block_bytes`` that run on a pool of
 ``threads`` IO threads (``pread``/``pwrite`` release the GIL), so several pieces are in
-the device queue at once; the caller gets an ``IOHandle`` and goes on computing. At most
-``max_inflight_bytes`` of submitted transfers are outstanding (a submit beyond it waits for
-earlier ones), so the caller's buffers pinned by IO are bounded. Memory the store itself
-holds: one aligned bounce buffer of ``block_bytes`` per IO thread in direct mode, nothing
-in buffered mode; the store never maps its files.
+the device queue at once; the caller gets an ``IOHandle`` and goes on computing. Queued
+reads run before queued writes (``_ioqueue``): a read issued ahead is not held behind
+unrelated writes. At most ``max_inflight_bytes`` of submitted transfers are outstanding (a
+submit beyond it waits for earlier ones), so the caller's buffers pinned by IO are bounded.
+In direct mode a tensor whose memory is ``ALIGN``-aligned (``aligned_empty``; parked
+tensors and the optimizer's buffers are) is moved without a copy; only unaligned memory is
+copied through a bounce buffer. Memory the store itself holds: one aligned bounce buffer
+per IO thread in direct mode, ``ALIGN`` bytes while every transfer is aligned, up to
+``block_bytes`` once one is not; nothing in buffered mode; the store never maps its files.
 
 Ordering: operations on one key run in submission order (a read after a write returns the
 written bytes; a read after a failed write raises). A write must not have its source
@@ -25,71 +29,24 @@ import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 import torch
 
 from parts.offload import _fileio
 from parts.offload._fileio import ALIGN, DiskFullError, round_up
+from parts.offload._ioqueue import IOQueue, Op
+from parts.offload._stats import Meter, StoreStats
 
 __all__ = ["DiskStore", "IOHandle", "StoreStats", "DiskFullError"]
-
-
-@dataclass
-class StoreStats:
-    """Bytes moved and seconds spent by a store (``busy``: wall time with any IO in flight;
-    ``read_busy`` / ``write_busy``: wall time with any read / write in flight)."""
-
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_seconds: float = 0.0  # transfer time summed over IO threads
-    write_seconds: float = 0.0
-    busy_seconds: float = 0.0
-    read_busy_seconds: float = 0.0
-    write_busy_seconds: float = 0.0
-    wait_seconds: float = 0.0  # time callers spent blocked: IOHandle.wait(), the in-flight cap
-
-    def snapshot(self) -> "StoreStats":
-        """A copy of the counters now."""
-        return StoreStats(**self.__dict__)
-
-    def minus(self, earlier: "StoreStats") -> "StoreStats":
-        """Counters accumulated since ``earlier`` (a snapshot)."""
-        return StoreStats(**{k: getattr(self, k) - getattr(earlier, k) for k in self.__dict__})
-
-
-class _Busy:
-    """Wall time during which at least one operation of a kind was in flight."""
-
-    def __init__(self) -> None:
-        self.count, self.since = 0, 0.0
-
-    def start(self, now: float) -> None:
-        if self.count == 0:
-            self.since = now
-        self.count += 1
-
-    def stop(self, now: float) -> float:
-        """Seconds to add to the kind's busy time (non-zero when the last one in flight ends)."""
-        self.count -= 1
-        return now - self.since if self.count == 0 else 0.0
-
-
-class _Op:
-    """One read or write of a key: pieces run on IO threads; ``finished`` is set after the last."""
-
-    def __init__(self, pieces: int, nbytes: int, key: str, after: Optional["_Op"]) -> None:
-        self.remaining, self.nbytes, self.key, self.after = pieces, nbytes, key, after
-        self.error: Optional[BaseException] = None
-        self.finished = threading.Event()
 
 
 class IOHandle:
     """A pending store operation: ``wait()`` blocks until it is done and raises its error."""
 
-    def __init__(self, op: _Op, store: "DiskStore") -> None:
+    def __init__(self, op: Op, store: "DiskStore") -> None:
         self._op, self._store = op, store
 
     @property
@@ -113,11 +70,12 @@ class _Entry:
     file: str
     nbytes: int
     reserved: int = 0
-    last: Optional[_Op] = field(default=None, repr=False)
+    last: Optional[Op] = field(default=None, repr=False)
 
 
-def _remove_dir(directory: str, pid: int) -> None:
+def _remove_dir(directory: str, pid: int, queue: IOQueue) -> None:
     if os.getpid() == pid:  # a forked child does not own its parent's scratch files
+        queue.stop()
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -143,7 +101,8 @@ class DiskStore:
             raise ValueError(f"DiskStore: block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
         self.path = os.path.abspath(os.fspath(path))
         self.directory = _scratch_dir(self.path)
-        self._finalizer = weakref.finalize(self, _remove_dir, self.directory, os.getpid())
+        self._queue = IOQueue(threads, "parts-offload")
+        self._finalizer = weakref.finalize(self, _remove_dir, self.directory, os.getpid(), self._queue)
         can = _fileio.probe_direct(self.directory)
         if direct and not can:
             self._finalizer()
@@ -152,14 +111,14 @@ class DiskStore:
         self.direct = can if direct is None else bool(direct)
         self.threads, self.block_bytes, self.max_inflight_bytes = threads, block_bytes, max_inflight_bytes
         self.stats = StoreStats()
+        self._meter = Meter(self.stats)
         self._index: dict[str, _Entry] = {}
         self._files = 0  # files ever created (names are never reused)
         self._lock = threading.Condition()
         self._inflight_bytes = 0
-        self._busy = {"any": _Busy(), True: _Busy(), False: _Busy()}  # any, writes, reads
         self._errors: list[BaseException] = []
         self._local = threading.local()
-        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(threads, thread_name_prefix="parts-offload")
+        self._open = True
         self._owners: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------ public API
@@ -220,12 +179,15 @@ class DiskStore:
 
     def close(self) -> None:
         """Wait for pending IO, stop the IO threads and remove the scratch files (idempotent)."""
-        if self._pool is None:
+        if not self._open:
             return
-        pool, self._pool = self._pool, None
-        pool.shutdown(wait=True)
+        self._open = False
+        for entry in self._index.values():  # each key's last op finishes after all its others
+            if entry.last is not None:
+                entry.last.finished.wait()
         self._index.clear()
         self._finalizer()
+        self._queue.join()
 
     def __contains__(self, key: object) -> bool:
         return key in self._index
@@ -248,13 +210,13 @@ class DiskStore:
     @property
     def closed(self) -> bool:
         """True after ``close()``."""
-        return self._pool is None
+        return not self._open
 
     @property
     def mode(self) -> str:
         """How the store moves bytes: direct IO or buffered pread/pwrite."""
-        return (f"direct IO (O_DIRECT, {ALIGN}-byte aligned bounce buffers)" if self.direct
-                else "buffered pread/pwrite (page cache)")
+        return (f"direct IO (O_DIRECT: {ALIGN}-byte aligned tensors in place, others through "
+                f"aligned bounce buffers)" if self.direct else "buffered pread/pwrite (page cache)")
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._index)} keys, {self.used_bytes / 2**20:.1f} MiB"
@@ -274,7 +236,7 @@ class DiskStore:
             self._errors = [e for e in self._errors if e is not error]
 
     def _check_open(self, what: str) -> None:
-        if self._pool is None:
+        if not self._open:
             raise RuntimeError(f"DiskStore {self.directory!r}: {what} after close()")
 
     def _reserve(self, entry: _Entry, nbytes: int) -> None:
@@ -293,15 +255,17 @@ class DiskStore:
     def _submit(self, entry: _Entry, key: str, data: torch.Tensor, writing: bool) -> IOHandle:
         n = data.numel()
         starts = list(range(0, n, self.block_bytes))
-        op = _Op(len(starts), n, key, entry.last)
+        op = Op(len(starts), n, key, entry.last, writing)
         if starts:  # an empty op finishes at once: the next one must wait for the last that moves bytes
             entry.last = op
         self._acquire(n, writing)
         if not starts:
-            self._finish(op, writing, 0.0)
+            self._finish(op, writing, None)
+            return IOHandle(op, self)
         path = os.path.join(self.directory, entry.file)
-        for start in starts:  # a list the IO thread empties: once waited, the store holds no view
-            self._pool.submit(self._run, op, path, [data[start:start + self.block_bytes]], start, writing)
+        # each piece's view in a list the IO thread empties: once waited, the store holds no view
+        self._queue.submit(op, [partial(self._run, op, path, [data[start:start + self.block_bytes]], start)
+                                for start in starts])
         return IOHandle(op, self)
 
     def _acquire(self, n: int, writing: bool) -> None:
@@ -312,44 +276,51 @@ class DiskStore:
             self._inflight_bytes += n
             now = time.perf_counter()
             self.stats.wait_seconds += now - start  # a caller blocked by the in-flight cap waits too
-            self._busy["any"].start(now)
-            self._busy[writing].start(now)
+            self._meter.submitted(writing, now)
 
-    def _run(self, op: _Op, path: str, holder: list, offset: int, writing: bool) -> None:
-        """One piece on an IO thread, after the key's previous operation finished; the piece is
-        let go before the operation is marked done (the caller may free it right after ``wait``)."""
-        piece = holder.pop()
-        if op.after is not None:
-            op.after.finished.wait()
-        start = time.perf_counter()  # transfer time only, not the wait for the key's previous op
+    def _run(self, op: Op, path: str, holder: list, offset: int) -> None:
+        """One piece on an IO thread (queued once the key's previous operation finished); the
+        piece is let go before the operation is marked done (the caller may free it after ``wait``)."""
+        piece, writing = holder.pop(), op.writing
+        with self._lock:
+            start = time.perf_counter()
+            self._meter.moving(writing, start)
         try:
-            if op.after is not None:
-                if op.after.error is not None and not writing:
-                    raise OSError(f"DiskStore: key {op.key!r} cannot be read: its last write failed "
-                                  f"({op.after.error})")
+            if op.after is not None and op.after.error is not None and not writing:
+                raise OSError(f"DiskStore: key {op.key!r} cannot be read: its last write failed "
+                              f"({op.after.error})")
             if op.error is None:
                 self._transfer(path, piece, offset, writing)
         except BaseException as e:  # handed to the waiter, never lost
             op.error = op.error or e
         del piece
-        self._finish(op, writing, time.perf_counter() - start)
+        self._finish(op, writing, start)
 
     def _transfer(self, path: str, piece: torch.Tensor, offset: int, writing: bool) -> None:
-        bounce = self._bounce() if self.direct else None
+        scratch = self._scratch if self.direct else None
         fd = _fileio.open_file(path, self.direct)
         try:
-            (_fileio.write_bytes if writing else _fileio.read_bytes)(fd, path, piece, offset, bounce)
+            bounced = (_fileio.write_bytes if writing else _fileio.read_bytes)(fd, path, piece, offset, scratch)
         finally:
             os.close(fd)
+        if bounced:
+            with self._lock:
+                self.stats.bytes_bounced += bounced
 
-    def _bounce(self) -> torch.Tensor:
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """This IO thread's aligned bounce buffer, grown to at least ``nbytes`` (at most ``block_bytes``)."""
         buf = getattr(self._local, "bounce", None)
-        if buf is None:
-            buf = self._local.bounce = _fileio.aligned_buffer(self.block_bytes)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._local.bounce = _fileio.aligned_buffer(max(nbytes, ALIGN))
         return buf
 
-    def _finish(self, op: _Op, writing: bool, seconds: float) -> None:
+    def _finish(self, op: Op, writing: bool, start: Optional[float]) -> None:
+        """Account a piece that ended (moving bytes since ``start``; None: an empty op)."""
         with self._lock:
+            now = time.perf_counter()
+            seconds = 0.0 if start is None else now - start
+            if start is not None:
+                self._meter.moved(writing, now)
             if writing:
                 self.stats.write_seconds += seconds
             else:
@@ -358,12 +329,7 @@ class DiskStore:
             if op.remaining > 0:
                 return
             self._inflight_bytes -= op.nbytes
-            now = time.perf_counter()
-            self.stats.busy_seconds += self._busy["any"].stop(now)
-            if writing:
-                self.stats.write_busy_seconds += self._busy[True].stop(now)
-            else:
-                self.stats.read_busy_seconds += self._busy[False].stop(now)
+            self._meter.finished(writing, now)
             if op.error is None:
                 if writing:
                     self.stats.bytes_written += op.nbytes
@@ -372,7 +338,7 @@ class DiskStore:
             else:
                 self._errors.append(op.error)
             self._lock.notify_all()
-        op.finished.set()
+        self._queue.done(op)
 
 
 def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:

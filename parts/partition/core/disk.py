@@ -27,7 +27,7 @@ optimizer hold) stays. From then on:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ from parts.offload.lease import Stored, stored_of_parked
 from parts.offload.store import DiskStore
 
 __all__ = ["store_of", "park_shard", "load_for_send", "after_send", "parked_version", "clear_grad",
-           "accumulate_grad", "rewrite", "read_ahead", "park_master", "peek", "overwrite",
+           "grad_buffer", "accumulate_grad", "rewrite", "read_ahead", "park_master", "peek", "overwrite",
            "has_grad", "read_grad", "drives_parked", "stored"]
 
 READ_AHEAD_FACTOR = 2
@@ -76,6 +76,15 @@ def parked_version(shard: torch.Tensor) -> Optional[int]:
     """Saves of a parked shard so far, or None if it is not parked."""
     record = parking.parked(shard)
     return None if record is None else record.version
+
+
+def grad_buffer(shard: torch.Tensor, numel: int, dtype: torch.dtype,
+                alloc: Callable[[int, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """A fresh 1-D tensor for ``shard``'s reduce-scattered grad: ``alloc(numel, dtype)``, or for a
+    parked shard a view of a slightly larger one starting aligned (its store writes it as is)."""
+    if parking.parked(shard) is None or shard.device.type != "cpu":
+        return alloc(numel, dtype)
+    return parking.empty_for_io((numel,), dtype, alloc)
 
 
 def accumulate_grad(shard: torch.Tensor, part: torch.Tensor, accumulate: bool) -> bool:

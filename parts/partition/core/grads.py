@@ -21,6 +21,7 @@ for shards that are not fp32 and names ``BF16Optimizer`` (fp32 master weights).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -92,7 +93,8 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
     sends = [_send_for(p, m, dtype, info.world_size) for p, m in pairs]
     for p, _ in pairs:
         p.grad = None
-    recvs = [alloc(m.layout.shard_numel, dtype, m.device) for _, m in pairs]
+    recvs = [disk.grad_buffer(m.shard, m.layout.shard_numel, dtype, partial(alloc, device=m.device))
+             for _, m in pairs]
     work = reduce_scatter_many(recvs, sends, info, async_op=async_op, average=average)
 
     def finish() -> None:

@@ -1,0 +1,95 @@
+"""The IO threads of a ``DiskStore`` and their queue: reads before writes, each key in order.
+
+A store operation (``Op``: one read or write of a key) is split into pieces, each a call
+run on one of the queue's threads. Pieces wait in one priority queue, reads ahead of writes
+and each kind first in, first out, so a read issued ahead (a prefetch the step will soon
+wait for) is not held behind unrelated writes already queued: at most behind the pieces
+the threads are running. Ordering per key: an op that must follow another (``after``: the
+key's previous operation) is held aside until that one is done, and only then queued, so
+no thread ever blocks waiting for another op and a read of a key still sees every earlier
+write of it, even though reads overtake writes in the queue.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from typing import Callable, Optional
+
+__all__ = ["Op", "IOQueue", "READ", "WRITE"]
+
+READ, WRITE = 0, 1
+"""Queue lanes, served in this order."""
+
+
+class Op:
+    """One read or write of a key: ``remaining`` pieces to run; ``finished`` set once done."""
+
+    def __init__(self, pieces: int, nbytes: int, key: str, after: Optional["Op"], writing: bool) -> None:
+        self.remaining, self.nbytes, self.key, self.after, self.writing = pieces, nbytes, key, after, writing
+        self.error: Optional[BaseException] = None
+        self.finished = threading.Event()
+        self.held: list[list[Callable[[], None]]] = []  # pieces of ops that follow this one
+        self.held_lanes: list[int] = []
+
+
+class IOQueue:
+    """``threads`` daemon threads running the pieces of submitted ops (see the module docstring)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[int, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._stopped = False
+        self._workers = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
+                         for i in range(threads)]
+        for worker in self._workers:
+            worker.start()
+
+    def submit(self, op: Op, pieces: list[Callable[[], None]]) -> None:
+        """Queue ``op``'s pieces in its lane, or hold them until ``op.after`` is done."""
+        lane = WRITE if op.writing else READ
+        with self._cond:
+            after = op.after
+            if after is not None and not after.finished.is_set():
+                after.held.append(pieces)
+                after.held_lanes.append(lane)
+                return
+            self._push(lane, pieces)
+
+    def done(self, op: Op) -> None:
+        """Mark ``op`` finished and queue the ops held behind it."""
+        with self._cond:
+            op.finished.set()
+            for lane, pieces in zip(op.held_lanes, op.held):
+                self._push(lane, pieces)
+            op.held, op.held_lanes = [], []
+
+    def stop(self) -> None:
+        """Let the threads exit once the queue is empty (the caller waited for its ops first)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        """Wait for the threads to exit (after ``stop``)."""
+        for worker in self._workers:
+            if worker is not threading.current_thread():
+                worker.join()
+
+    def _push(self, lane: int, pieces: list[Callable[[], None]]) -> None:
+        for piece in pieces:
+            heapq.heappush(self._heap, (lane, next(self._seq), piece))
+        self._cond.notify(len(pieces))
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap and not self._stopped:
+                    self._cond.wait()
+                if not self._heap:
+                    return
+                piece = heapq.heappop(self._heap)[2]
+            piece()
+            del piece
