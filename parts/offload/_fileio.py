@@ -7,8 +7,8 @@ from or into that memory and only its last partial block (under ``ALIGN`` bytes)
 an aligned bounce buffer, so the bytes beyond the tensor are never touched; a transfer
 from unaligned memory is copied through the bounce buffer whole. Files are padded to
 whole blocks with zeros; the true length lives in the store's index. Buffered IO reads and
-writes the caller's memory directly. Both loop over short transfers; a write that makes no progress is a full disk,
-never a silent short write. ``OPS`` holds the system calls so a test can make them fail.
+writes the caller's memory directly. Both loop over short transfers; a write that makes no
+progress is a full disk, never a silent short write. ``OPS`` holds the system calls so a test can make them fail.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ class Op:
         self.remaining, self.nbytes, self.key, self.after, self.writing = pieces, nbytes, key, after, writing
         self.error: Optional[BaseException] = None
         self.finished = threading.Event()
-        self.held: list[list[Callable[[], None]]] = []  # pieces of ops that follow this one
-        self.held_lanes: list[int] = []
+        self.held: list[tuple[int, list[Callable[[], None]]]] = []  # (lane, pieces) of ops that follow it
 
 
 class IOQueue:
@@ -53,8 +52,7 @@ class IOQueue:
         with self._cond:
             after = op.after
             if after is not None and not after.finished.is_set():
-                after.held.append(pieces)
-                after.held_lanes.append(lane)
+                after.held.append((lane, pieces))
                 return
             self._push(lane, pieces)
 
@@ -62,9 +60,9 @@ class IOQueue:
         """Mark ``op`` finished and queue the ops held behind it."""
         with self._cond:
             op.finished.set()
-            for lane, pieces in zip(op.held_lanes, op.held):
+            for lane, pieces in op.held:
                 self._push(lane, pieces)
-            op.held, op.held_lanes = [], []
+            op.held = []
 
     def stop(self) -> None:
         """Let the threads exit once the queue is empty (the caller waited for its ops first)."""

@@ -11,7 +11,8 @@ optimizer hold) stays. From then on:
   shard buffer lives only from its read to its all-gather (``release`` frees the full one);
 * the coordinator issues those reads ahead along its trace (``read_ahead``), over twice
   its prefetch window, so disk reads run ahead of the all-gathers, which run ahead of compute;
-* reduce-scattered grad shards go to the store (``accumulate_grad``: read, add, write);
+* reduce-scattered grad shards go to the store (``accumulate_grad``: read, add, write),
+  from buffers allocated aligned (``grad_buffer``) so direct IO writes them without a copy;
 * the optimizer step writes updated shards back: ``parts.offload.OffloadedOptimizer``
   loads each chunk's shards, grads and state, steps them and saves them (a plain torch
   optimizer stepping parked shards raises, it would see no grads);
