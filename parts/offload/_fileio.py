@@ -162,32 +162,34 @@ def _direct_body(t: torch.Tensor) -> int:
     return n - n % ALIGN if is_aligned(t) else 0
 
 
-def write_bytes(fd: int, path: str, src: torch.Tensor, offset: int, scratch: Optional[Scratch]) -> int:
-    """Write the uint8 tensor ``src`` at ``offset`` (direct IO when ``scratch`` is given: whole blocks
-    straight from aligned memory, the rest zero-padded through ``scratch``); returns bytes copied."""
-    n = src.numel()
-    body = _direct_body(src) if scratch is not None else n
+def _move(fd: int, path: str, t: torch.Tensor, offset: int, scratch: Optional[Scratch], writing: bool) -> int:
+    """Write (read) the uint8 tensor ``t`` at ``offset``: buffered when ``scratch`` is None, else
+    direct, whole blocks in place if ``t`` is aligned and the rest through ``scratch`` (zero-padded
+    to a block when writing; bytes beyond ``t`` are never touched); returns bytes copied."""
+    n = t.numel()
+    body = _direct_body(t) if scratch is not None else n
+    call = OPS.pwritev if writing else OPS.preadv
     if body:
-        _loop(OPS.pwritev, fd, src, body, offset, path, True)
+        _loop(call, fd, t, body, offset, path, writing)
     rest = n - body
     if rest:
-        bounce = scratch(round_up(rest))
-        bounce[:rest].copy_(src[body:])
-        bounce[rest:round_up(rest)].zero_()
-        _loop(OPS.pwritev, fd, bounce, round_up(rest), offset + body, path, True)
+        padded = round_up(rest)
+        bounce = scratch(padded)
+        if writing:
+            bounce[:rest].copy_(t[body:])
+            bounce[rest:padded].zero_()
+        _loop(call, fd, bounce, padded, offset + body, path, writing)
+        if not writing:
+            t[body:].copy_(bounce[:rest])
     return rest
+
+
+def write_bytes(fd: int, path: str, src: torch.Tensor, offset: int, scratch: Optional[Scratch]) -> int:
+    """Write the uint8 tensor ``src`` at ``offset`` (direct IO when ``scratch`` is given); returns bytes copied."""
+    return _move(fd, path, src, offset, scratch, True)
 
 
 def read_bytes(fd: int, path: str, dst: torch.Tensor, offset: int, scratch: Optional[Scratch]) -> int:
     """Read ``dst.numel()`` bytes at ``offset`` into the uint8 tensor ``dst`` (direct IO when ``scratch``
-    is given, as ``write_bytes``: bytes beyond ``dst`` are never written); returns bytes copied."""
-    n = dst.numel()
-    body = _direct_body(dst) if scratch is not None else n
-    if body:
-        _loop(OPS.preadv, fd, dst, body, offset, path, False)
-    rest = n - body
-    if rest:
-        bounce = scratch(round_up(rest))
-        _loop(OPS.preadv, fd, bounce, round_up(rest), offset + body, path, False)
-        dst[body:].copy_(bounce[:rest])
-    return rest
+    is given); returns bytes copied."""
+    return _move(fd, path, dst, offset, scratch, False)

@@ -69,26 +69,27 @@ class Meter:
 
     def submitted(self, writing: bool, now: float) -> None:
         """An operation was submitted."""
-        self._busy["any"].start(now)
-        self._busy[writing].start(now)
+        self._start(self._busy, writing, now)
 
     def finished(self, writing: bool, now: float) -> None:
         """An operation's last piece ended."""
-        self.stats.busy_seconds += self._busy["any"].stop(now)
-        if writing:
-            self.stats.write_busy_seconds += self._busy[True].stop(now)
-        else:
-            self.stats.read_busy_seconds += self._busy[False].stop(now)
+        self._stop(self._busy, "busy", writing, now)
 
     def moving(self, writing: bool, now: float) -> None:
         """An IO thread started moving a piece's bytes."""
-        self._active["any"].start(now)
-        self._active[writing].start(now)
+        self._start(self._active, writing, now)
 
     def moved(self, writing: bool, now: float) -> None:
         """An IO thread finished moving a piece's bytes."""
-        self.stats.active_seconds += self._active["any"].stop(now)
-        if writing:
-            self.stats.write_active_seconds += self._active[True].stop(now)
-        else:
-            self.stats.read_active_seconds += self._active[False].stop(now)
+        self._stop(self._active, "active", writing, now)
+
+    @staticmethod
+    def _start(clocks: dict, writing: bool, now: float) -> None:
+        clocks["any"].start(now)
+        clocks[writing].start(now)
+
+    def _stop(self, clocks: dict, name: str, writing: bool, now: float) -> None:
+        """Add the clocks' elapsed time to ``<name>_seconds`` and ``<read|write>_<name>_seconds``."""
+        for field_name, clock in ((f"{name}_seconds", clocks["any"]),
+                                  (f"{'write' if writing else 'read'}_{name}_seconds", clocks[writing])):
+            setattr(self.stats, field_name, getattr(self.stats, field_name) + clock.stop(now))
