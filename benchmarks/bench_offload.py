@@ -129,6 +129,23 @@ def measure(args, tokens, store) -> tuple[list[dict], list[dict]]:
     return records[0], records[1]
 
 
+def fresh_read(store: DiskStore, nbytes: int, active: bool) -> tuple[tuple[float, float], ...]:
+    """(GB/s, CPU s per GiB) of a read of ``nbytes`` into fresh memory, then into the same memory
+    again (touched): what a page fault per 4 KiB costs a read; () when not ``active``."""
+    out = []
+    if active:
+        store.write("raw", empty_for_io((nbytes,), torch.uint8).fill_(7)).wait()
+        data = empty_for_io((nbytes,), torch.uint8)
+        for _ in range(2):
+            wall, cpu = time.perf_counter(), time.process_time()
+            store.read("raw", data).wait()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            out.append((nbytes / wall / 1e9, cpu / (nbytes / GiB)))
+        store.delete("raw")
+    dist.barrier()
+    return tuple(out)
+
+
 def raw_pair(store, nbytes: int, rank: int) -> tuple[tuple[float, float], list]:
     """(rank 0 alone, every rank's at once) raw (write, read) GB/s."""
     return raw_bandwidth(store, nbytes, rank == 0), all_gather_objects(raw_bandwidth(store, nbytes, True))
@@ -144,6 +161,7 @@ def main() -> None:
     nbytes = int(args.raw_gib * GiB)
     load0, cpu0, wall0 = os.getloadavg(), time.process_time(), time.perf_counter()
     raw_before = raw_pair(store, nbytes, rank)
+    fresh = fresh_read(store, nbytes, rank == 0)
     tokens, _ = load_splits(None)
     memory, offload = measure(args, tokens, store)
     raw_after = raw_pair(store, nbytes, rank)
@@ -151,6 +169,9 @@ def main() -> None:
     if rank == 0:
         report(args, store, (raw_before, raw_after), rows, world, (load0, os.getloadavg()),
                time.perf_counter() - wall0)
+        (f_bw, f_cpu), (t_bw, t_cpu) = fresh
+        print(f"rank 0 alone, a read into fresh memory: {f_bw:.2f} GB/s, {f_cpu:.2f} s CPU per GiB "
+              f"(page faults); into the same memory again: {t_bw:.2f} GB/s, {t_cpu:.2f} s CPU per GiB")
     store.close()
     dist.destroy_process_group()
 

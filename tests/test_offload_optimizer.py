@@ -156,3 +156,32 @@ def test_two_optimizers_on_one_prefix_of_a_store_raise(tmp_path):
     gc.collect()
     OffloadedOptimizer(torch.optim.Adam(second_model.parameters()), store)
     store.close()
+
+
+def test_later_chunks_read_into_the_buffers_of_finished_ones(tmp_path):
+    """Eight 64 KiB layers, one per chunk: from the fourth chunk on, a chunk's AdamW state is read
+    into the buffers chunk k-3 gave back (its writes done), so a step allocates three chunks'
+    buffers, not eight; the result stays bitwise the plain optimizer's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(8)])
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with DiskStore(tmp_path) as store:
+        opt = OffloadedOptimizer(torch.optim.AdamW(off.parameters(), lr=1e-2), store,
+                                 chunk_bytes=4 * 128 * 128 * 4)
+        reused = []
+        for step in range(3):
+            for model, o in ((ref, ref_opt), (off, opt)):
+                g = torch.Generator().manual_seed(step)
+                model(torch.randn(4, 128, generator=g)).square().mean().backward()
+                before = opt.spares.reused
+                o.step()
+                o.zero_grad()
+            reused.append(opt.spares.reused - before)
+            assert opt.spares.spare_bytes == 0  # nothing kept between steps
+        assert reused == [0, 2 * (8 - 3), 2 * (8 - 3)]  # step 1 reads no state
+        for a, b in zip(ref.parameters(), off.parameters()):
+            assert torch.equal(a, b)
+        for p, q in zip(ref.parameters(), off.parameters()):
+            state = opt.state_of(q)
+            assert all(torch.equal(ref_opt.state[p][k], state[k]) for k in ("exp_avg", "exp_avg_sq"))

@@ -28,24 +28,30 @@ from parts.base.wrapper import OptimizerWrapper
 from parts.offload import parking
 from parts.offload.lease import Stored
 from parts.offload.plan import plan_chunks
+from parts.offload.spares import Spares
 from parts.offload.store import DiskStore, IOHandle
 
 __all__ = ["OffloadedOptimizer"]
 
 
 class _Batch:
-    """The reads (or writes) of one chunk and what to do once they are done."""
+    """The reads (or writes) of one chunk and what to do once they are done (``keep``: tensors
+    the writes read from, given back to ``spares`` if any)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spares: Optional[Spares] = None) -> None:
         self.handles: list[IOHandle] = []
         self.after: list[Callable[[], None]] = []
         self.keep: list[torch.Tensor] = []
+        self.spares = spares
 
     def finish(self) -> None:
         for h in self.handles:
             h.wait()
         for fn in self.after:
             fn()
+        if self.spares is not None:
+            for t in self.keep:
+                self.spares.give(t)
         self.handles, self.after, self.keep = [], [], []
 
 
@@ -72,6 +78,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self.grad_scale: Optional[torch.Tensor] = None  # multiplies grads read from the store
         self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
+        self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (one step)
         self._patch_step_function()
         self._offload_all()
 
@@ -144,6 +151,12 @@ class OffloadedOptimizer(OptimizerWrapper):
         return p.numel() * p.element_size() * (2 + states)
 
     def _pipeline(self, chunks: list[list[torch.Tensor]]) -> None:
+        try:
+            self._run_pipeline(chunks)
+        finally:
+            self.spares.clear()
+
+    def _run_pipeline(self, chunks: list[list[torch.Tensor]]) -> None:
         reading = self._read(chunks[0]) if chunks else None
         writing: Optional[_Batch] = None
         for k, chunk in enumerate(chunks):
@@ -165,13 +178,13 @@ class OffloadedOptimizer(OptimizerWrapper):
         for p in chunk:
             state = self.optimizer.state[p]
             for name, (shape, dtype) in self._placed.get(id(p), {}).items():
-                state[name] = parking.empty_for_io(shape, dtype)
+                state[name] = self.spares.empty(shape, dtype)
                 batch.handles.append(self.store.read(self._key(p, name), state[name]))
             if parking.parked(p) is not None:
                 parking.prefetch(p)
                 batch.after.append(lambda p=p: parking.load(p))
             if parking.has_grad(p):
-                grad, handle = parking.load_grad(p)
+                grad, handle = parking.load_grad(p, self.spares.empty)
                 batch.handles.append(handle)
                 batch.after.append(lambda p=p, grad=grad: self._install_grad(p, grad))
         return batch
@@ -197,13 +210,15 @@ class OffloadedOptimizer(OptimizerWrapper):
 
     def _write(self, chunk: list[torch.Tensor]) -> _Batch:
         """Start writing the chunk's state (and parked values) back; finish frees their memory."""
-        batch = _Batch()
+        batch = _Batch(self.spares)
         for p in chunk:
             for name, t in self._offloadable(p):
                 batch.handles.append(self.store.write(self._key(p, name), t))
                 batch.keep.append(self.optimizer.state[p].pop(name))
             if parking.parked(p) is not None:
                 batch.handles.append(parking.save(p))
+                if p.grad is not None:
+                    self.spares.give(p.grad)  # read from the store, used by the step: done with
                 p.grad = None
                 batch.after.append(lambda p=p: parking.drop(p))
         return batch

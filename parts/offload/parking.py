@@ -240,10 +240,12 @@ def has_grad(t: torch.Tensor) -> bool:
     return record is not None and _grad_record(record).grad_dtype is not None
 
 
-def load_grad(t: torch.Tensor) -> tuple[torch.Tensor, IOHandle]:
-    """A fresh tensor and the handle of the read filling it with ``t``'s stored grad."""
+def load_grad(t: torch.Tensor, empty: Optional[Callable[[torch.Size, torch.dtype], torch.Tensor]] = None
+              ) -> tuple[torch.Tensor, IOHandle]:
+    """A fresh tensor (``empty(shape, dtype)`` if given) and the handle of the read filling it
+    with ``t``'s stored grad."""
     record = _grad_record(parked(t))
-    grad = empty_for_io(t.shape, record.grad_dtype)
+    grad = (empty or empty_for_io)(t.shape, record.grad_dtype)
     return grad, record.store.read(record.grad_key, grad)
 
 
