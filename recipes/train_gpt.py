@@ -1,7 +1,7 @@
-"""Train a character-level GPT with every part of `parts` on: the main recipe.
+"""Train a character-level GPT with the parts of `parts`: the main recipe.
 
     torchrun --standalone --nproc-per-node 2 recipes/train_gpt.py
-    torchrun --standalone --nproc-per-node 2 recipes/train_gpt.py --dtype fp32 --steps 300
+    torchrun --standalone --nproc-per-node 2 recipes/train_gpt.py --dtype fp32 --checkpoint --steps 300
     torchrun --standalone --nproc-per-node 3 recipes/train_gpt.py --resume --steps 200
 
 The compute dtype is bf16 where this hardware runs it faster than fp32 (measured at start,
@@ -9,12 +9,13 @@ said in the header), fp32 otherwise. The model is built in fp32 under ``partitio
 rank keeps 1/N of every weight); in bf16, ``attach(mixed_precision=MixedPrecision())`` fetches
 weights per module as bf16 (cast before the all-gather), releases them after use and
 reduce-scatters grads in fp32 into fp32 grad shards, so the fp32 shards are the masters and
-the loss tracks fp32 (issue 15). Each block runs inside ``parts.checkpoint.checkpoint``, and
-``BF16Optimizer(AdamW, allow_fp32=True)`` steps the fp32 shards, clips by the global norm and
+the loss tracks fp32 (issue 15). With ``--checkpoint`` each block runs inside
+``parts.checkpoint.checkpoint`` (off by default: recomputing costs this small model ~20% of
+a step and saves little memory), and ``BF16Optimizer(AdamW, allow_fp32=True)`` steps the fp32 shards, clips by the global norm and
 follows a warm-up + cosine schedule. With ``--no-partition`` the replicated fp32 model is cast
 by ``BF16Optimizer(param_dtype=bf16)``, which keeps the full-precision values as its masters. The default data
-is Python source text from the standard library (no download); ``--data FILE`` trains on
-yours. At the end every rank writes its own shard of the weights and optimizer state into a
+is Python source text from the standard library (no download; characters, with four spaces as
+one token: ``chardata``); ``--data FILE`` trains on yours; losses are in nats per character. At the end every rank writes its own shard of the weights and optimizer state into a
 ``torch.distributed.checkpoint`` directory (``--out``; no rank gathers the model); ``--resume``
 continues from it at any ``--nproc-per-node``, and FSDP2 (or ``dcp_to_torch_save``) reads it.
 The sample is drawn on rank 0 from a plain ``GPT`` holding ``full_state_dict`` (temperature
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import report
-from chardata import VOCAB_SIZE, batch, decode, encode, load_splits
+from chardata import VOCAB_SIZE, batch, char_count, decode, encode, load_splits
 from gpt_model import GPT, GPTConfig
 from parts.checkpoint import checkpoint
 from parts.comm import all_gather_objects, broadcast_object
@@ -48,8 +49,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse_args() -> argparse.Namespace:
-    """Every knob is a flag; the defaults (900 steps of 8 x 128 characters per rank) train in
-    under three minutes on 2 CPU cores to a validation loss near 1.5 nats/char."""
+    """Every knob is a flag; the defaults (1100 steps of 8 x 128 tokens per rank) train in
+    about three minutes on 2 CPU cores to a validation loss near 1.55 nats/char."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--data", default=None, help="a text file to train on (default: stdlib sources)")
@@ -60,13 +61,13 @@ def parse_args() -> argparse.Namespace:
     add("--n-embd", type=int, default=128)
     add("--seq-len", type=int, default=128)
     add("--batch-size", type=int, default=8, help="sequences per rank per step")
-    add("--steps", type=int, default=900, help="optimizer steps in this run")
+    add("--steps", type=int, default=1100, help="optimizer steps in this run")
     add("--lr", type=float, default=5e-3)
     add("--warmup", type=int, default=20)
     add("--lr-floor", type=float, default=0.1, help="the cosine decay ends at this fraction of --lr")
     add("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     add("--eval-interval", type=int, default=150)
-    add("--eval-batches", type=int, default=8)
+    add("--eval-batches", type=int, default=16)
     add("--sample-chars", type=int, default=300)
     add("--prompt", default='class Reader:\n    """A reader."""\n\n    def __init__(self',
         help="text the sample continues")
@@ -77,7 +78,9 @@ def parse_args() -> argparse.Namespace:
     add("--resume", action="store_true", help="continue from --out (any world size)")
     add("--plot", default="loss.png", help="loss curve PNG (needs matplotlib)")
     add("--no-partition", dest="partition", action="store_false", help="replicated weights")
-    add("--no-checkpoint", dest="checkpoint", action="store_false", help="keep all activations")
+    add("--checkpoint", action="store_true",
+        help="recompute each block's activations in backward (parts.checkpoint): memory for compute; "
+             "off by default, as this model's activations are small and recomputing costs ~20%% of a step")
     for knob, default in [("prefetch-bucket-size", 50_000_000), ("max-reuse-distance", 1_000_000_000),
                           ("max-live-parameters", 1_000_000_000), ("persistence-threshold", 1_000)]:
         add(f"--{knob}", type=int, default=default, help="coordinator knob")
@@ -125,15 +128,22 @@ def build(args: argparse.Namespace):
     return model, coordinator, optimizer, schedule
 
 
+def nats_and_chars(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[summed loss, characters]`` of a batch whose mean loss per token is ``loss``."""
+    return torch.stack([loss.detach().double() * targets.numel(), char_count(targets).double()])
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace) -> float:
-    """Mean loss over fixed validation batches (identical on every rank)."""
+    """Loss per character over fixed validation batches (identical on every rank)."""
     model.eval()
     generator = torch.Generator().manual_seed(0)
-    losses = [model(*batch(tokens, args.batch_size, args.seq_len, generator)).item()
-              for _ in range(args.eval_batches)]
+    total = torch.zeros(2, dtype=torch.float64)
+    for _ in range(args.eval_batches):
+        inputs, targets = batch(tokens, args.batch_size, args.seq_len, generator)
+        total += nats_and_chars(model(inputs, targets), targets)
     model.train()
-    return sum(losses) / len(losses)
+    return (total[0] / total[1]).item()
 
 
 def checkpoint_state(model, optimizer, schedule, step: int) -> dict:
@@ -190,21 +200,22 @@ def main() -> None:
     params = sum(meta(p).numel if is_partitioned(p) else p.numel() for p in model.parameters())
     progress = report.Progress(args.steps, enabled=rank == 0)
     progress.note(f"GPT {params / 1e6:.2f}M params, {args.dtype} ({why}), world {world}, "
-                  f"{len(train_tokens):,} training chars, steps {start + 1}..{start + args.steps}")
+                  f"{char_count(train_tokens).item():,} training chars in {len(train_tokens):,} tokens, steps {start + 1}..{start + args.steps}")
     generator = torch.Generator().manual_seed(args.seed + 7919 * rank + start)
     train_curve, val_curve = [], [(start, evaluate(model, val_tokens, args))]
     progress.note(f"step {start}: validation loss {val_curve[0][1]:.4f}")
     tokens_per_step = args.batch_size * args.seq_len * world
     for step in range(start + 1, start + args.steps + 1):
-        loss = model(*batch(train_tokens, args.batch_size, args.seq_len, generator))
+        inputs, targets = batch(train_tokens, args.batch_size, args.seq_len, generator)
+        loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         schedule.step()
         train_stats = coordinator.stats() if coordinator else None
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        train_curve.append((step, mean_loss.item() / world))
+        summed = nats_and_chars(loss, targets)
+        dist.all_reduce(summed)
+        train_curve.append((step, (summed[0] / summed[1]).item()))  # nats per character
         done = step - start
         rss = rss_per_rank() if done % 10 == 0 or done == args.steps else None
         progress.update(done, loss=f"{train_curve[-1][1]:.4f}",

@@ -144,7 +144,7 @@ def check_train_gpt(out: str, workdir: Path) -> None:
 
 
 TRAIN_GPT_TINY = ("--steps", "6", "--n-layer", "2", "--n-embd", "64", "--seq-len", "32",
-                  "--batch-size", "4", "--eval-interval", "3", "--eval-batches", "1",
+                  "--batch-size", "4", "--eval-interval", "3", "--eval-batches", "1", "--checkpoint",
                   "--sample-chars", "16", "--dtype", "fp32", "--out", "{workdir}/gpt.ckpt",
                   "--plot", "{workdir}/loss.png")
 
