@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -25,9 +26,12 @@ class NativeUnavailable(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Build directory: $PARTS_CSRC_CACHE or ~/.cache/parts/csrc-<torch>-py<major><minor>."""
+    """Build directory: $PARTS_CSRC_CACHE or ~/.cache/parts/csrc-<torch>-py<major><minor>-<sources>,
+    keyed by a hash of the sources too, so checkouts with different ops never rebuild each other's."""
     root = os.environ.get("PARTS_CSRC_CACHE") or Path.home() / ".cache" / "parts"
-    tag = f"csrc-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    here = Path(__file__).resolve().parent
+    sources = hashlib.sha256(b"".join((here / s).read_bytes() for s in _SOURCES)).hexdigest()[:12]
+    tag = f"csrc-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}-{sources}"
     return Path(root) / tag.replace("+", "_")
 
 
