@@ -45,6 +45,7 @@ from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence, StepCheck
+from parts.partition.coordinator.flat import FlatGather, FlatReduce
 from parts.partition.coordinator.hooks import AttachedLookup, ModuleHooks, register_pre_backward
 from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.plan import Knobs
@@ -76,10 +77,13 @@ class _Pieces:
         self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group))
         self.live = LiveSet(self.table, knobs, group, self.counters)
         self.prefetcher = Prefetcher(self.table, self.live, knobs, self.check, self.counters)
-        self.reducer = GradReducer(self.table, knobs, group, self.check, self.counters,
-                                   precision.reduce_dtype if precision else torch.float32)
+        reduce_dtype = precision.reduce_dtype if precision else torch.float32
+        self.flat = FlatGather(self.table)
+        self.flat_grads = FlatReduce(self.flat, reduce_dtype)
+        self.reducer = GradReducer(self.table, knobs, group, self.check, self.counters, reduce_dtype,
+                                   self.flat_grads)
         self.steps = Steps(module, self.table, self.live, self.prefetcher, self.check, self.counters,
-                           sync_buffers)
+                           sync_buffers, self.flat)
 
 
 class FetchCoordinator:
@@ -129,15 +133,16 @@ class FetchCoordinator:
         pieces = _Pieces(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers)
         self.table, self.live, self.prefetcher = pieces.table, pieces.live, pieces.prefetcher
         self.reducer, self.check, self.counters = pieces.reducer, pieces.check, pieces.counters
-        self.steps = pieces.steps
+        self.steps, self.flat_grads = pieces.steps, pieces.flat_grads
         self._setup_lifecycle()
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
                 self._hook(index)
         for p in self.table.params.values():
             if p.requires_grad:
+                hook = self._flat_grad if id(p) in self.flat_grads.index else self._post_accumulate
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(
-                    weak_method(self._post_accumulate)))  # held in C++: no uncollectable cycle
+                    weak_method(hook)))  # held in C++: no uncollectable cycle
         for sub in self.table.modules:
             _attached[sub] = self
         if self.knobs.debug:
@@ -328,6 +333,7 @@ class FetchCoordinator:
         if not self.steps.active(phase):
             self.steps.begin(phase)
         on_backward_end(self._end_backward)
+        self.flat_grads.arm()
 
     def _post_accumulate(self, p: nn.Parameter) -> None:
         """The last grad contribution to ``p`` in this backward arrived: release ``p`` if idle,
@@ -340,6 +346,14 @@ class FetchCoordinator:
         self.live.grad_complete(pid, step)
         if raw_grad(p) is not None:
             self.reducer.grad_ready(p, pid, step)
+
+    def _flat_grad(self, p: nn.Parameter) -> None:
+        """A flat persistent parameter's grad is complete (in its view of the flat grad buffer,
+        reduce-scattered with the others at the end of backward: flat.py)."""
+        if self._root is None:
+            return
+        self._enter_backward(self._bwd_phase or phase_name(True, True))
+        self.flat_grads.grad_arrived(p)
 
     def _end_backward(self) -> None:
         phase, self._bwd_phase = self._bwd_phase, None

@@ -10,7 +10,7 @@ core's ``gather``/``release``.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 from parts.comm import GroupArg
 from parts._compat import in_backward
@@ -22,6 +22,9 @@ from parts.partition.coordinator.trace import BACKWARD, FORWARD
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, is_stale, wanted_dtype
 from parts.partition.core.storage_pool import StoragePool
+
+if TYPE_CHECKING:
+    from parts.partition.coordinator.flat import FlatGather
 
 __all__ = ["LiveSet"]
 
@@ -179,10 +182,10 @@ class LiveSet:
         self._pass_gathers.clear()
 
     # ------------------------------------------------------------------- persistent
-    def persistent_to_gather(self) -> tuple[list[int], list[int]]:
-        """Persistent ids not gathered, and those gathered but stale (an optimizer stepped the shard)."""
+    def persistent_to_gather(self, ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Persistent ``ids`` not gathered, and those gathered but stale (an optimizer stepped the shard)."""
         todo, stale = [], []
-        for pid in self.table.persistent_ids:
+        for pid in ids:
             m = self.table.records[pid]
             if m.status is _NOT_AVAILABLE:
                 todo.append(pid)
@@ -203,6 +206,15 @@ class LiveSet:
             self._note_gathered(pid, key)
         gather(self.table.select(ids), self.group, async_op=self.knobs.overlap_comm, pool=self.pool,
                compute=True)
+
+    def refresh_flat(self, flat: "FlatGather", how: str) -> None:
+        """Gather the flat persistent params in one collective (``flat.py``), counted per param."""
+        self.counters.persistent_gathers += len(flat.pids)
+        self.counters.allgather_calls += 1
+        key = self._pass_key(FORWARD)
+        for pid in flat.pids:
+            self._note_gathered(pid, key)
+        flat.gather(how)
 
     def release_all(self) -> None:
         """Release every gathered parameter (persistent too) and drop the pool: detach."""

@@ -4,7 +4,8 @@ A parameter's full grad is handed over (``grad_ready``) once its last contributi
 backward arrived; when the bucket holds ``reduce_bucket_size`` elements it goes in one group
 of reduce-scatters (the core's ``reduce_scatter_grads``), async with ``overlap_comm`` so it
 runs while backward computes the next bucket. At most two buckets are in flight; ``flush``
-at the end of backward reduces the rest and waits until every grad shard has landed.
+at the end of backward reduces the rest and waits until every grad shard has landed. The
+grads of the flat persistent params (flat.py) are reduce-scattered there, as one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from parts.comm import GroupArg, Waitable, comm_counter
 from parts.partition.coordinator.debug import StepCheck
+from parts.partition.coordinator.flat import FlatReduce, reduce_counted
 from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
@@ -30,8 +32,12 @@ class GradReducer:
     """Buckets of complete full grads and the reduce-scatters in flight of one coordinator."""
 
     def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, check: StepCheck,
-                 counters: StepCounters, reduce_dtype: torch.dtype = torch.float32) -> None:
+                 counters: StepCounters, reduce_dtype: torch.dtype = torch.float32,
+                 flat: Optional[FlatReduce] = None) -> None:
         self.table, self.knobs, self.group, self.check, self.counters = table, knobs, group, check, counters
+        self.flat = flat  # the flat persistent params' grads (flat.py), reduced as one at the end
+        flat_ids = set(flat.pids) if flat is not None else set()
+        self._others = [p for pid, p in table.params.items() if pid not in flat_ids]
         self.reduce_dtype = reduce_dtype  # grads are summed in it (MixedPrecision.reduce_dtype)
         self._pending: list[nn.Parameter] = []  # complete full grads awaiting reduce-scatter
         self._pending_numel = 0
@@ -46,10 +52,15 @@ class GradReducer:
 
     def flush(self, step: Optional[StepState]) -> None:
         """End of backward: reduce every grad still pending (also grads no hook announced,
-        e.g. of a parameter unfrozen later) and wait until all have landed."""
+        e.g. of a parameter unfrozen later) and wait until all have landed. The flat persistent
+        params go first, in one reduce-scatter of their own when every one has its grad."""
+        scan = self.table.params.values()
+        if self.flat is not None and self.flat.ready():
+            self.check.point(step, "reduce", ids=self.flat.pids)
+            reduce_counted(self.flat, self.counters)
+            scan = self._others
         pending = {id(p) for p in self._pending}
-        self._pending += [p for p in self.table.params.values()
-                          if raw_grad(p) is not None and id(p) not in pending]
+        self._pending += [p for p in scan if raw_grad(p) is not None and id(p) not in pending]
         self._reduce(step)
         self.wait()
 

@@ -2,7 +2,7 @@
 
 A step begins at the first forward (or backward) of its phase: the trace book starts
 recording, rank 0's buffers are broadcast (``sync_buffers``) and the persistent parameters
-that need it are gathered in one collective. It ends when its forward returns (no grad) or
+that need it are gathered in one collective (those of the flat buffer, flat.py, in their own). It ends when its forward returns (no grad) or
 its backward does: the trace is stored, idle parameters are released and the counters of
 the step are frozen into the ``CoordinatorStats`` that ``stats()`` returns.
 """
@@ -14,6 +14,7 @@ from typing import Optional
 from torch import nn
 
 from parts.partition.coordinator.debug import StepCheck
+from parts.partition.coordinator.flat import FALLBACK, INSTALL, REFILL, FlatGather
 from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.prefetch import Prefetcher
 from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, freeze
@@ -29,8 +30,8 @@ class Steps:
     """The step in progress of each phase (``current``), steps begun per phase, the last stats."""
 
     def __init__(self, root: nn.Module, table: ParamTable, live: LiveSet, prefetcher: Prefetcher,
-                 check: StepCheck, counters: StepCounters, sync_buffers: bool) -> None:
-        self.root, self.table, self.live, self.prefetcher = root, table, live, prefetcher
+                 check: StepCheck, counters: StepCounters, sync_buffers: bool, flat: FlatGather) -> None:
+        self.root, self.table, self.live, self.prefetcher, self.flat = root, table, live, prefetcher, flat
         self.check, self.counters, self.sync_buffers = check, counters, sync_buffers
         self.current: dict[str, StepState] = {}
         self.begun: dict[str, int] = {}  # steps begun per phase (debug mode names them)
@@ -64,10 +65,16 @@ class Steps:
 
     def _refresh_persistent(self, phase: str) -> None:
         """Gather the persistent params that need it in one (async) collective at a step's start:
-        those not gathered, and, in place, those whose shard an optimizer stepped since. The
-        decision is local (every rank steps its shards of the same params); ``debug`` checks it."""
-        todo, stale = self.live.persistent_to_gather()
-        self.check.point(self.current[phase], "start", ids=sorted(todo + stale))
+        those not gathered, and, in place, those whose shard an optimizer stepped since; the flat
+        ones (flat.py) in a collective of their own. The decision is local (every rank steps its
+        shards of the same params); ``debug`` checks it."""
+        how = self.flat.decide(self.live.uses)
+        flat = how in (REFILL, INSTALL)
+        todo, stale = self.live.persistent_to_gather(
+            self.table.persistent_ids if how == FALLBACK else self.flat.others)
+        self.check.point(self.current[phase], "start", ids=sorted(todo + stale + (self.flat.pids if flat else [])))
+        if flat:
+            self.live.refresh_flat(self.flat, how)
         self.live.refresh_persistent(todo, stale)
 
     def end(self, phase: str) -> None:

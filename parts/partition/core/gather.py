@@ -92,7 +92,7 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
         for (p, m), (full, _) in zip(pairs, fulls):
             if full is not None:
                 p.data = full
-                m.full_ptr = full.untyped_storage().data_ptr()
+                m.full_ptr, m.in_flat = full.untyped_storage().data_ptr(), False
 
     return GatherHandle(pairs, work, unpack, joined)
 
@@ -179,12 +179,12 @@ def release(params: Iterable[nn.Parameter], free_storage: bool = False,
             m.shrunk = p.data
             _empty_storage(p.data.untyped_storage(), pool)
         p.data = empty_like_released(m.dtype, m.device)
-        m.status, m.handle, m.full_dtype = ParamStatus.NOT_AVAILABLE, None, None
+        m.status, m.handle, m.full_dtype, m.in_flat = ParamStatus.NOT_AVAILABLE, None, None, False
 
 
 def _owns_storage(data: torch.Tensor, m: ParamMeta) -> bool:
     """True if ``data`` is the full tensor ``gather`` made for ``m`` (nobody else's storage)."""
-    return (m.numel > 0 and data.shape == m.shape and data.untyped_storage().data_ptr() == m.full_ptr
+    return (m.numel > 0 and not m.in_flat and data.shape == m.shape and data.untyped_storage().data_ptr() == m.full_ptr
             and data.storage_offset() == 0 and data.is_contiguous())
 
 

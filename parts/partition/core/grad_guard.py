@@ -28,7 +28,7 @@ from torch import nn
 from parts._compat import TENSOR_BASE, default_torch_function
 
 __all__ = ["ATTR", "internal", "in_internal", "ShardedParameter", "GradShard", "as_grad_shard",
-           "local", "raw_grad"]
+           "local", "raw_grad", "set_raw_grad"]
 
 ATTR = "_parts_meta"
 _raw_grad = TENSOR_BASE.grad
@@ -61,6 +61,11 @@ def in_internal() -> bool:
 def raw_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     """``p.grad`` without the guard (library code)."""
     return _raw_grad.__get__(p)
+
+
+def set_raw_grad(p: torch.Tensor, value: Optional[torch.Tensor]) -> None:
+    """Set ``p.grad`` without the guard (library code)."""
+    _raw_grad.__set__(p, value)
 
 
 def _moved_message(record: Any) -> str:

@@ -31,7 +31,7 @@ from parts.comm import GroupArg, reduce_scatter_many
 from parts.partition.core import disk
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
-__all__ = ["use_shards", "ReduceHandle", "reduce_scatter_grads", "shards"]
+__all__ = ["use_shards", "ReduceHandle", "reduce_scatter_grads", "shards", "accumulate_into"]
 
 _FULL_PRECISION = (torch.float32,)
 
@@ -99,7 +99,7 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
 
     def finish() -> None:
         for (_, m), part in zip(pairs, recvs):
-            _accumulate(m, part, accumulate)
+            accumulate_into(m, part, accumulate)
 
     del sends  # the work keeps them until it is done
     if not async_op:
@@ -108,7 +108,7 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
     return ReduceHandle(work, finish)
 
 
-def _accumulate(m: Any, part: torch.Tensor, accumulate: bool) -> None:
+def accumulate_into(m: Any, part: torch.Tensor, accumulate: bool) -> None:
     """Add (or copy) ``part`` into the grad shard; ``part`` becomes the grad shard if there is none."""
     if disk.accumulate_grad(m.shard, part, accumulate):
         return

@@ -54,6 +54,7 @@ from parts.partition.core.steps import watch as watch_steps
 
 __all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "ReleasedData", "is_partitioned", "meta", "alloc",
            "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp",
+           "memory_versions", "watch_shards",
            "wanted_dtype"]
 
 
@@ -95,6 +96,8 @@ class ParamMeta:
     steps: int = 0  # optimizer steps on the shard (core/steps.py: fused kernels bump no version)
     checker: Any = field(default=None, repr=False)  # weak method a debug coordinator registered
     # (core/points.py): collectives outside its steps over this param are agreed across ranks
+    in_flat: bool = False  # the full tensor is a view of a buffer shared with other params (the
+    # coordinator's flat persistent buffer): never freed or refilled alone
 
     @property
     def status(self) -> ParamStatus:
@@ -193,6 +196,18 @@ def shard_version(record: ParamMeta) -> tuple:
         return id(shard), shard._version, shard.data_ptr(), record.steps
     except RuntimeError:  # an inference tensor has no version counter: never assume it is current
         return (object(),)
+
+
+def memory_versions(records: list[ParamMeta]) -> list[tuple]:
+    """``shard_version`` of each record in one pass, for shards in memory (not on disk) that
+    ``watch_shards`` linked already: what the coordinator's flat buffer compares each step."""
+    return [(id(m.shard), m.shard._version, m.shard.data_ptr(), m.steps) for m in records]
+
+
+def watch_shards(records: list[ParamMeta]) -> None:
+    """Link each record's shard to it (optimizer steps on it count in ``record.steps``)."""
+    for m in records:
+        watch_steps(m.shard, m)
 
 
 def stamp(record: ParamMeta) -> None:

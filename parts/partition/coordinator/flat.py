@@ -1,0 +1,250 @@
+"""Persistent parameters in flat buffers: one all-gather and one reduce-scatter per step for all.
+
+Persistent parameters (fewer elements than ``persistence_threshold``) stay gathered, but an
+optimizer step changes their shards, so each training step begins by gathering them again,
+and each backward reduce-scatters their grads. Done one parameter at a time, a model with
+hundreds of small parameters pays tens of µs of Python per parameter and step, more than the
+bytes cost. Here the persistent parameters of one dtype and device (shards in memory, not on
+disk) are handled as one:
+
+* ``FlatGather``: their full tensors are views of one flat buffer (parameter after
+  parameter, each padded to ``world * shard_numel``). A refresh is one all-gather of the
+  concatenated shards and one native copy into the views (``split_with_sizes_copy``); no
+  parameter is touched one by one. Whether a refresh is needed is one comparison of two
+  version lists (``memory_versions``): a step after which no shard changed gathers nothing.
+* ``FlatReduce``: when backward begins, each trainable one's ``.grad`` is set to a view of
+  one zeroed flat grad buffer, so autograd accumulates into it in place, and a one-line hook
+  notes that its grad arrived. When backward ends, one reduce-scatter sums the whole buffer
+  and the reduced slices land in one flat grad-shard buffer whose views are the grad shards
+  (while they accumulate over micro-batches, one ``add_``).
+
+The results are bitwise those of the per-parameter path (the same elements summed in the
+same rank order, the same bytes counted). Whatever this does not cover (a parameter released
+or gathered again elsewhere, held by a running module, a shard replaced, a grad that did not
+arrive) goes the per-parameter way for that step, as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+from torch import nn
+
+from parts.comm import all_gather_many, comm_counter, reduce_scatter_many
+from parts.partition.coordinator.plan import collective_bytes
+from parts.partition.coordinator.table import ParamTable
+from parts.partition.core import disk
+from parts.partition.core.grad_guard import as_grad_shard, internal, raw_grad, set_raw_grad as _set_grad
+from parts.partition.core.grads import accumulate_into
+from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, memory_versions, wanted_dtype,
+                                        watch_shards)
+
+__all__ = ["CURRENT", "REFILL", "INSTALL", "FALLBACK", "FlatGather", "FlatReduce", "offsets_of"]
+
+CURRENT, REFILL, INSTALL, FALLBACK = "current", "refill", "install", "fallback"
+_AVAILABLE = ParamStatus.AVAILABLE
+
+
+def offsets_of(sizes: list[int]) -> list[int]:
+    """Start of each of ``sizes`` laid side by side."""
+    return list(itertools.accumulate([0] + sizes[:-1])) if sizes else []
+
+
+def _flat_ids(table: ParamTable) -> list[int]:
+    """Persistent ids whose shards can live in one flat group: in memory with a version
+    counter, of the first such record's group, dtypes and device."""
+    out, key = [], None
+    for pid in table.persistent_ids:
+        m = table.records[pid]
+        if m.numel == 0 or disk.parked_version(m.shard) is not None or m.shard.is_inference():
+            continue
+        this = (m.info.group, m.shard.dtype, wanted_dtype(m, True), m.device, m.shard.device)
+        key = this if key is None else key
+        if this == key:
+            out.append(pid)
+    return out
+
+
+class FlatGather:
+    """The full tensors of the flat persistent parameters: one buffer, one all-gather."""
+
+    def __init__(self, table: ParamTable) -> None:
+        self.pids = _flat_ids(table)
+        chosen = set(self.pids)
+        self.others = [pid for pid in table.persistent_ids if pid not in chosen]
+        self.params: list[nn.Parameter] = table.select(self.pids)
+        self.records: list[ParamMeta] = [table.records[pid] for pid in self.pids]
+        self.full: Optional[torch.Tensor] = None
+        self.broken = not self.pids
+        if self.broken:
+            return
+        first = self.records[0]
+        self.info, self.world, self.device = first.info, first.world_size, first.device
+        self.dtype = wanted_dtype(first, True)
+        self.sizes = [m.layout.shard_numel for m in self.records]
+        self.nbytes = [collective_bytes(s, self.world, self.dtype.itemsize) for s in self.sizes]
+        watch_shards(self.records)
+        self.shard_ids = [id(m.shard) for m in self.records]
+
+    def placed(self) -> bool:
+        """True if every flat parameter's full tensor is its view of the buffer."""
+        return (self.full is not None and all(m._status is _AVAILABLE and m.in_flat for m in self.records)
+                and [p.data_ptr() for p in self.params] == self.ptrs)
+
+    def decide(self, uses: dict) -> str:
+        """What a step's start needs: CURRENT (nothing), REFILL (the buffer in place), INSTALL
+        (a new buffer, the views put in place) or FALLBACK (the per-parameter way)."""
+        if self.broken:
+            return FALLBACK
+        if [id(m.shard) for m in self.records] != self.shard_ids:
+            self.broken = True  # a shard was replaced (another dtype, device): as before from now
+            return FALLBACK
+        placed = self.placed()
+        if placed and memory_versions(self.records) == [m.full_version for m in self.records]:
+            return CURRENT
+        if any(uses.get(pid) for pid in self.pids) or any(m._status is ParamStatus.INFLIGHT
+                                                          for m in self.records):
+            return FALLBACK
+        return REFILL if placed else INSTALL
+
+    @internal
+    def gather(self, how: str) -> None:
+        """All-gather every flat shard into the buffer (a new one for INSTALL) in one collective."""
+        versions = memory_versions(self.records)  # the shards as sent
+        with torch.no_grad():
+            send = torch.cat([m.shard for m in self.records])
+        send = send.to(self.device, self.dtype)
+        if how == INSTALL:
+            self._allocate()
+        recv = alloc(self.world * send.numel(), self.dtype, self.device)
+        all_gather_many([recv], [send], self.info)
+        torch.split_with_sizes_copy(recv.view(self.world, -1), self.sizes, dim=1, out=self._outs)
+        if how == INSTALL:
+            self._place()
+        for m, version in zip(self.records, versions):
+            m.full_version = version
+
+    def _allocate(self) -> None:
+        padded = [self.world * s for s in self.sizes]
+        self.full = alloc(sum(padded), self.dtype, self.device)
+        starts = offsets_of(padded)
+        self._outs = [self.full[o:o + n].view(self.world, s) for o, n, s in zip(starts, padded, self.sizes)]
+        self._views = [self.full[o:o + m.numel].view(m.shape) for o, m in zip(starts, self.records)]
+        self.ptrs = [v.data_ptr() for v in self._views]
+
+    def _place(self) -> None:
+        """Every flat parameter's ``p.data`` becomes its view of the buffer (status AVAILABLE)."""
+        ptr = self.full.untyped_storage().data_ptr()
+        for p, m, view in zip(self.params, self.records, self._views):
+            p.data = view
+            m.status, m.handle, m.shrunk = _AVAILABLE, None, None
+            m.full_ptr, m.full_dtype, m.in_flat = ptr, self.dtype, True
+
+
+class FlatReduce:
+    """The grads of the trainable flat persistent parameters: one buffer, one reduce-scatter."""
+
+    def __init__(self, flat: FlatGather, reduce_dtype: torch.dtype) -> None:
+        keep = [] if flat.broken else [k for k, p in enumerate(flat.params) if p.requires_grad]
+        self.flat = flat
+        self.params = [flat.params[k] for k in keep]
+        self.records = [flat.records[k] for k in keep]
+        self.pids = [flat.pids[k] for k in keep]
+        self.index = {id(p): k for k, p in enumerate(self.params)}
+        self.arrived = [False] * len(self.params)
+        self.reduce_dtype = reduce_dtype
+        self.buf: Optional[torch.Tensor] = None
+        self.dirty = False
+        self.grad_shards: Optional[torch.Tensor] = None
+        self.shard_grads: list[torch.Tensor] = []
+        if self.params:
+            self.sizes = [m.layout.shard_numel for m in self.records]
+            self.same_dtype = all(m.shard.dtype == reduce_dtype for m in self.records)
+
+    def arm(self) -> None:
+        """Backward begins: zero the grad buffer, make each gathered parameter's ``.grad`` its view."""
+        if not self.params:
+            return
+        self.arrived = [False] * len(self.params)
+        if self.buf is None:
+            self._allocate()
+        elif self.dirty:
+            self.buf.zero_()
+        self.dirty = False
+        dtype = self.flat.dtype
+        for p, m, view in zip(self.params, self.records, self._views):
+            if m._status is _AVAILABLE and m.full_dtype == dtype and raw_grad(p) is None:
+                _set_grad(p, view)
+
+    def _allocate(self) -> None:
+        world = self.flat.world
+        padded = [world * s for s in self.sizes]
+        self.buf = alloc(sum(padded), self.flat.dtype, self.flat.device).zero_()
+        starts = offsets_of(padded)
+        self._packs = [self.buf[o:o + n].view(world, s) for o, n, s in zip(starts, padded, self.sizes)]
+        self._views = [self.buf[o:o + m.numel].view(m.shape) for o, m in zip(starts, self.records)]
+
+    def grad_arrived(self, p: nn.Parameter) -> None:
+        """The last grad contribution to ``p`` in this backward arrived."""
+        self.arrived[self.index[id(p)]] = True
+
+    def ready(self) -> bool:
+        """True if every parameter has a grad this backward, each in its view or copied there;
+        otherwise views that got nothing are taken away (the per-parameter path goes on)."""
+        if not self.params or self.buf is None:
+            return False
+        grads = [raw_grad(p) for p in self.params]
+        if all(a or (g is not None and g is not v) for g, v, a in zip(grads, self._views, self.arrived)):
+            if all(g is v or (g is not None and g.shape == v.shape) for g, v in zip(grads, self._views)):
+                for g, v in zip(grads, self._views):
+                    if g is not v:
+                        v.copy_(g.detach())
+                return True
+        for p, g, v, a in zip(self.params, grads, self._views, self.arrived):
+            if g is v and not a:
+                _set_grad(p, None)
+        self.dirty = True  # grads that are views of the buffer may be consumed as send buffers
+        return False
+
+    @internal
+    def reduce(self) -> None:
+        """One reduce-scatter (mean over ranks) of the whole grad buffer into the grad shards; the
+        grads are consumed (``p.grad`` None)."""
+        flat, world = self.flat, self.flat.world
+        send = alloc(self.buf.numel(), self.buf.dtype, flat.device)
+        torch.cat(self._packs, dim=1, out=send.view(world, -1))
+        if torch.promote_types(send.dtype, self.reduce_dtype) != self.reduce_dtype:
+            send = send.to(self.reduce_dtype)
+        recv = alloc(sum(self.sizes), self.reduce_dtype, flat.device)
+        reduce_scatter_many([recv], [send], flat.info, average=True)
+        for p in self.params:
+            _set_grad(p, None)
+        self.dirty = True
+        self._land(recv)
+
+    def _land(self, recv: torch.Tensor) -> None:
+        """Add ``recv`` into the grad shards: one op while they are this buffer's views, the
+        views themselves where there are none yet, else shard by shard."""
+        grads = [m.shard.grad for m in self.records]
+        if self.shard_grads and all(g is v for g, v in zip(grads, self.shard_grads)):
+            self.grad_shards.add_(recv)
+            return
+        if self.same_dtype and all(g is None and m._grad is None for g, m in zip(grads, self.records)):
+            self.grad_shards = recv
+            self.shard_grads = [as_grad_shard(v) for v in torch.split_with_sizes(recv, self.sizes)]
+            for m, g in zip(self.records, self.shard_grads):
+                m.shard.grad = g
+            return
+        self.grad_shards, self.shard_grads = None, []
+        for m, part in zip(self.records, torch.split_with_sizes(recv, self.sizes)):
+            accumulate_into(m, part, True)
+
+
+def reduce_counted(flat: FlatReduce, counters: object) -> None:
+    """``flat.reduce()`` counted as one reduce-scatter call and its wire bytes."""
+    sent = comm_counter.reduce_scatter_bytes
+    counters.reduce_scatter_calls += 1
+    flat.reduce()
+    counters.reduce_scatter_bytes += comm_counter.reduce_scatter_bytes - sent
