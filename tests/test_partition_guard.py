@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -342,4 +343,5 @@ def body_refresh_divergence() -> str:
 def test_debug_mode_names_ranks_that_disagree_on_changed_shards():
     for message in run(2, body_refresh_divergence):
         assert "disagree on which persistent parameters changed" in message
-        assert "rank 0: 0, rank 1: 1" in message
+        # rank 1 refreshes the whole flat persistent buffer (coordinator/flat.py), rank 0 nothing
+        assert re.search(r"rank 0: 0, rank 1: [1-9][0-9]*\b", message), message

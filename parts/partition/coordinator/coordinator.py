@@ -41,6 +41,7 @@ from parts._compat import in_backward, on_backward_end
 from parts.base.weak import weak_method
 from parts.comm import GroupArg
 from parts.partition.core.grad_guard import raw_grad
+from parts.partition.construction.construct import drop_forward_check, restore_forward_check
 from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.checks import check_group, check_sharded
@@ -150,6 +151,8 @@ class FetchCoordinator:
             points.register(self._records(), self._checker)
         install_zero_grad(self.table.modules)
         install_apply(self.table.modules)
+        for sub in self.table.modules:  # fetched by the hooks: the construction-time check is not needed
+            drop_forward_check(sub)
         return self
 
     def _records(self) -> list:
@@ -177,6 +180,8 @@ class FetchCoordinator:
         remove_zero_grad(self.table.modules)
         remove_apply(self.table.modules)
         for sub in self.table.modules:
+            restore_forward_check(sub)
+        for sub in self.table.modules:
             if _attached.get(sub) is self:
                 del _attached[sub]
         self._root, self._last = None, self.steps.last
@@ -194,8 +199,8 @@ class FetchCoordinator:
             return
         sub = self.table.modules[index]
         hooks = ModuleHooks(sub)
-        pre = self._pre_forward if self.table.is_unit_root(index) else self._pre_forward_inner
-        hooks.install(partial(pre, index), partial(self._post_forward, index))
+        if self.table.is_unit_root(index):  # a module inside a unit has no forward hooks (its unit fetches)
+            hooks.install(partial(self._pre_forward, index), partial(self._post_forward, index))
         if any(True for _ in sub.parameters(recurse=False)):
             hooks.watch(self.table.unit[index], self._on_param_read)
         self._hooks[index] = hooks
@@ -216,6 +221,7 @@ class FetchCoordinator:
 
     def _add_external(self, index: int, pid: int) -> None:
         index = self._units.get(index, index)
+        index = self.table.unit[index] if index not in self._units.values() else index
         if self.table.add_external(index, pid):
             self._hook(index)
 
@@ -271,12 +277,6 @@ class FetchCoordinator:
         call = ModuleCall(index, phase, list(self.table.sets[index]))
         self._stack.append(call)
         self._fetch(call, FORWARD)
-
-    def _pre_forward_inner(self, index: int, module: nn.Module, args: tuple) -> None:
-        """A module inside a fetch unit: nothing to do while its unit runs, else a call of its own."""
-        unit = self.table.unit[index]
-        if self._root is not None and not any(call.index == unit for call in self._stack):
-            self._pre_forward(index, module, args)
 
     def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._root is None or not self._stack:
