@@ -210,10 +210,10 @@ def test_skipping_a_block_on_odd_steps_matches_reference():
 
 
 # ---------------------------------------------------------------------------- debug mode
-def _diverging_ranks() -> None:
+def _diverging_ranks(**knobs) -> None:
     rank, world = rank_info()
     _, model = make_pair(GPT)
-    attach(model, debug=True)
+    attach(model, debug=True, **knobs)
     model.calls = rank  # rank 1 skips block 1 ("odd call"), rank 0 runs it
     model.skip_odd = True
     model(*batch(0, PER_RANK, rank * PER_RANK)).backward()
@@ -232,8 +232,13 @@ def test_debug_mode_names_the_first_divergent_module():
     digests = run(2, _agreeing_ranks, timeout=60)
     assert digests[0] == digests[1]
     with pytest.raises(RankFailure, match="RankDivergence") as info:
-        run(2, _diverging_ranks, timeout=60)
+        run(2, _diverging_ranks, timeout=60, persistence_threshold=0)
     assert "blocks.1" in str(info.value) and "blocks.2" in str(info.value)
+    # all persistent (defaults): the blocks fetch nothing, so no collective tells them apart; the
+    # first one that differs is the reduce-scatter (flat on rank 0, per parameter on rank 1)
+    with pytest.raises(RankFailure, match="RankDivergence") as info:
+        run(2, _diverging_ranks, timeout=60)
+    assert "rank 0 is at a reduce-scatter of" in str(info.value)
 
 
 SMALL = dict(persistence_threshold=600, prefetch_bucket_size=3000, reduce_bucket_size=0)

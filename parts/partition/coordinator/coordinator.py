@@ -135,6 +135,7 @@ class FetchCoordinator:
         self.table, self.live, self.prefetcher = pieces.table, pieces.live, pieces.prefetcher
         self.reducer, self.check, self.counters = pieces.reducer, pieces.check, pieces.counters
         self.steps, self.flat_grads = pieces.steps, pieces.flat_grads
+        self.flat_ids = frozenset(pieces.flat.pids)
         self._setup_lifecycle()
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
@@ -195,15 +196,28 @@ class FetchCoordinator:
         self._units: dict[int, int] = {}  # submodule index -> its fused block's (compiled.py)
 
     def _hook(self, index: int) -> None:
-        if index in self._hooks:
+        """Hook the module at ``index``: a unit root fetches (lightly if it holds flat persistent
+        params only), a module with parameters others may read is watched; again after its set grew."""
+        hooks = self._hooks.get(index)
+        light = index != 0 and self._all_flat(self.table.sets[index])
+        if hooks is not None and hooks.handles and (hooks.light == light or not hooks.light):
             return
+        if hooks is not None:
+            hooks.remove()
         sub = self.table.modules[index]
-        hooks = ModuleHooks(sub)
+        hooks = self._hooks[index] = ModuleHooks(sub, light=light)
         if self.table.is_unit_root(index):  # a module inside a unit has no forward hooks (its unit fetches)
-            hooks.install(partial(self._pre_forward, index), partial(self._post_forward, index))
-        if any(True for _ in sub.parameters(recurse=False)):
+            pre, post = (self._pre_forward_light, self._post_forward_light) if light else \
+                (self._pre_forward, self._post_forward)
+            hooks.install(partial(pre, index), partial(post, index))
+        own = [meta(p).id for p in sub.parameters(recurse=False)]
+        if own and not self._all_flat(own):  # flat persistent params are gathered whoever reads them
             hooks.watch(self.table.unit[index], self._on_param_read)
-        self._hooks[index] = hooks
+
+    def _all_flat(self, ids: list) -> bool:
+        """True if every id is a flat persistent parameter (gathered for the whole step: flat.py)."""
+        flat = self.flat_ids
+        return all(pid in flat for pid in ids)
 
     # ------------------------------------------------------------- external parameters
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
@@ -277,6 +291,16 @@ class FetchCoordinator:
         call = ModuleCall(index, phase, list(self.table.sets[index]))
         self._stack.append(call)
         self._fetch(call, FORWARD)
+
+    def _pre_forward_light(self, index: int, module: nn.Module, args: tuple) -> None:
+        """A unit of flat persistent params only: within a step nothing to fetch (they are gathered
+        from its start to its end) nor to trace; called outside any forward, a call of its own."""
+        if not self._stack:
+            self._pre_forward(index, module, args)
+
+    def _post_forward_light(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._stack and self._stack[-1].index == index:
+            self._post_forward(index, module, args, output)
 
     def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._root is None or not self._stack:

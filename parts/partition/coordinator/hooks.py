@@ -95,6 +95,7 @@ class ModuleHooks:
     module: nn.Module
     handles: list = dataclasses.field(default_factory=list)
     watched: bool = False
+    light: bool = False  # forward hooks that fetch only outside any other forward (coordinator.py)
 
     def install(self, pre: Callable, post: Callable) -> None:
         """Forward pre-hook (prepended: fetch runs before any check) and always-called post-hook."""
