@@ -357,7 +357,6 @@ class FetchCoordinator:
         if not self.steps.active(phase):
             self.steps.begin(phase)
         on_backward_end(self._end_backward)
-        self.flat_grads.arm()
 
     def _post_accumulate(self, p: nn.Parameter) -> None:
         """The last grad contribution to ``p`` in this backward arrived: release ``p`` if idle,
@@ -372,12 +371,10 @@ class FetchCoordinator:
             self.reducer.grad_ready(p, pid, step)
 
     def _flat_grad(self, p: nn.Parameter) -> None:
-        """A flat persistent parameter's grad is complete (in its view of the flat grad buffer,
-        reduce-scattered with the others at the end of backward: flat.py)."""
-        if self._root is None:
-            return
-        self._enter_backward(self._bwd_phase or phase_name(True, True))
-        self.flat_grads.grad_arrived(p)
+        """A flat persistent parameter's grad is complete: it waits in ``p.grad`` for the one
+        reduce-scatter of them all at the end of backward (flat.py); a backward begins if none has."""
+        if self._root is not None and self._bwd_phase is None:
+            self._enter_backward(phase_name(True, True))
 
     def _end_backward(self) -> None:
         phase, self._bwd_phase = self._bwd_phase, None

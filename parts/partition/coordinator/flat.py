@@ -12,16 +12,16 @@ disk) are handled as one:
   concatenated shards and one native copy into the views (``split_with_sizes_copy``); no
   parameter is touched one by one. Whether a refresh is needed is one comparison of two
   version lists (``memory_versions``): a step after which no shard changed gathers nothing.
-* ``FlatReduce``: when backward begins, each trainable one's ``.grad`` is set to a view of
-  one zeroed flat grad buffer, so autograd accumulates into it in place, and a one-line hook
-  notes that its grad arrived. When backward ends, one reduce-scatter sums the whole buffer
-  and the reduced slices land in one flat grad-shard buffer whose views are the grad shards
-  (while they accumulate over micro-batches, one ``add_``).
+* ``FlatReduce``: their full grads wait in ``p.grad`` (no hook work per parameter but
+  noting that a backward runs); when backward ends, one native copy packs them rank by rank
+  into one send buffer, one reduce-scatter sums it, and the reduced slices land in one flat
+  grad-shard buffer whose views are the grad shards (while they accumulate over
+  micro-batches, one ``add_``).
 
 The results are bitwise those of the per-parameter path (the same elements summed in the
 same rank order, the same bytes counted). Whatever this does not cover (a parameter released
-or gathered again elsewhere, held by a running module, a shard replaced, a grad that did not
-arrive) goes the per-parameter way for that step, as before.
+or gathered again elsewhere, held by a running module, a shard replaced, a parameter without
+a grad this backward) goes the per-parameter way for that step, as before.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class FlatGather:
 
 
 class FlatReduce:
-    """The grads of the trainable flat persistent parameters: one buffer, one reduce-scatter."""
+    """The grads of the trainable flat persistent parameters: one reduce-scatter for all."""
 
     def __init__(self, flat: FlatGather, reduce_dtype: torch.dtype) -> None:
         keep = [] if flat.broken else [k for k, p in enumerate(flat.params) if p.requires_grad]
@@ -153,75 +153,42 @@ class FlatReduce:
         self.records = [flat.records[k] for k in keep]
         self.pids = [flat.pids[k] for k in keep]
         self.index = {id(p): k for k, p in enumerate(self.params)}
-        self.arrived = [False] * len(self.params)
         self.reduce_dtype = reduce_dtype
-        self.buf: Optional[torch.Tensor] = None
-        self.dirty = False
         self.grad_shards: Optional[torch.Tensor] = None
         self.shard_grads: list[torch.Tensor] = []
-        if self.params:
-            self.sizes = [m.layout.shard_numel for m in self.records]
-            self.same_dtype = all(m.shard.dtype == reduce_dtype for m in self.records)
-
-    def arm(self) -> None:
-        """Backward begins: zero the grad buffer, make each gathered parameter's ``.grad`` its view."""
-        if not self.params:
-            return
-        self.arrived = [False] * len(self.params)
-        if self.buf is None:
-            self._allocate()
-        elif self.dirty:
-            self.buf.zero_()
-        self.dirty = False
-        dtype = self.flat.dtype
-        for p, m, view in zip(self.params, self.records, self._views):
-            if m._status is _AVAILABLE and m.full_dtype == dtype and raw_grad(p) is None:
-                _set_grad(p, view)
-
-    def _allocate(self) -> None:
-        world = self.flat.world
-        padded = [world * s for s in self.sizes]
-        self.buf = alloc(sum(padded), self.flat.dtype, self.flat.device).zero_()
-        starts = offsets_of(padded)
-        self._packs = [self.buf[o:o + n].view(world, s) for o, n, s in zip(starts, padded, self.sizes)]
-        self._views = [self.buf[o:o + m.numel].view(m.shape) for o, m in zip(starts, self.records)]
-
-    def grad_arrived(self, p: nn.Parameter) -> None:
-        """The last grad contribution to ``p`` in this backward arrived."""
-        self.arrived[self.index[id(p)]] = True
+        self.sizes = [m.layout.shard_numel for m in self.records]
+        self.same_dtype = all(m.shard.dtype == reduce_dtype for m in self.records)
+        self._grads: list[torch.Tensor] = []
 
     def ready(self) -> bool:
-        """True if every parameter has a grad this backward, each in its view or copied there;
-        otherwise views that got nothing are taken away (the per-parameter path goes on)."""
-        if not self.params or self.buf is None:
+        """True if every parameter has a full grad of its shape and the buffer's dtype (else the
+        per-parameter path reduces what there is)."""
+        if not self.params:
             return False
         grads = [raw_grad(p) for p in self.params]
-        if all(a or (g is not None and g is not v) for g, v, a in zip(grads, self._views, self.arrived)):
-            if all(g is v or (g is not None and g.shape == v.shape) for g, v in zip(grads, self._views)):
-                for g, v in zip(grads, self._views):
-                    if g is not v:
-                        v.copy_(g.detach())
-                return True
-        for p, g, v, a in zip(self.params, grads, self._views, self.arrived):
-            if g is v and not a:
-                _set_grad(p, None)
-        self.dirty = True  # grads that are views of the buffer may be consumed as send buffers
+        dtype = self.flat.dtype
+        if all(g is not None and g.dtype == dtype and g.shape == m.shape for g, m in zip(grads, self.records)):
+            self._grads = grads
+            return True
         return False
 
     @internal
     def reduce(self) -> None:
-        """One reduce-scatter (mean over ranks) of the whole grad buffer into the grad shards; the
-        grads are consumed (``p.grad`` None)."""
+        """One reduce-scatter (mean over ranks) of every grad, packed rank by rank into one send
+        buffer, into the grad shards; the grads are consumed (``p.grad`` None)."""
         flat, world = self.flat, self.flat.world
-        send = alloc(self.buf.numel(), self.buf.dtype, flat.device)
-        torch.cat(self._packs, dim=1, out=send.view(world, -1))
+        grads, self._grads = self._grads, []
+        send = alloc(world * sum(self.sizes), flat.dtype, flat.device)
+        with torch.no_grad():
+            rows = [_rows(g.detach(), world, s) for g, s in zip(grads, self.sizes)]
+            torch.cat(rows, dim=1, out=send.view(world, -1))
+        del rows, grads
+        for p in self.params:
+            _set_grad(p, None)
         if torch.promote_types(send.dtype, self.reduce_dtype) != self.reduce_dtype:
             send = send.to(self.reduce_dtype)
         recv = alloc(sum(self.sizes), self.reduce_dtype, flat.device)
         reduce_scatter_many([recv], [send], flat.info, average=True)
-        for p in self.params:
-            _set_grad(p, None)
-        self.dirty = True
         self._land(recv)
 
     def _land(self, recv: torch.Tensor) -> None:
@@ -240,6 +207,13 @@ class FlatReduce:
         self.grad_shards, self.shard_grads = None, []
         for m, part in zip(self.records, torch.split_with_sizes(recv, self.sizes)):
             accumulate_into(m, part, True)
+
+
+def _rows(grad: torch.Tensor, world: int, shard_numel: int) -> torch.Tensor:
+    """A full grad as ``world`` rows of ``shard_numel`` (row ``r``: rank ``r``'s slice), padded with zeros."""
+    flat = grad.reshape(-1)
+    pad = world * shard_numel - flat.numel()
+    return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(world, shard_numel)
 
 
 def reduce_counted(flat: FlatReduce, counters: object) -> None:
