@@ -157,6 +157,7 @@ class FlatReduce:
         self.grad_shards: Optional[torch.Tensor] = None
         self.shard_grads: list[torch.Tensor] = []
         self.sizes = [m.layout.shard_numel for m in self.records]
+        self.even = [m.numel == m.world_size * s for m, s in zip(self.records, self.sizes)]  # no padding
         self.same_dtype = all(m.shard.dtype == reduce_dtype for m in self.records)
         self._grads: list[torch.Tensor] = []
 
@@ -180,7 +181,8 @@ class FlatReduce:
         grads, self._grads = self._grads, []
         send = alloc(world * sum(self.sizes), flat.dtype, flat.device)
         with torch.no_grad():
-            rows = [_rows(g.detach(), world, s) for g, s in zip(grads, self.sizes)]
+            rows = [g.detach().reshape(world, s) if even else _padded_rows(g.detach(), world, s)
+                    for g, s, even in zip(grads, self.sizes, self.even)]
             torch.cat(rows, dim=1, out=send.view(world, -1))
         del rows, grads
         for p in self.params:
@@ -209,11 +211,10 @@ class FlatReduce:
             accumulate_into(m, part, True)
 
 
-def _rows(grad: torch.Tensor, world: int, shard_numel: int) -> torch.Tensor:
-    """A full grad as ``world`` rows of ``shard_numel`` (row ``r``: rank ``r``'s slice), padded with zeros."""
+def _padded_rows(grad: torch.Tensor, world: int, shard_numel: int) -> torch.Tensor:
+    """A full grad as ``world`` rows of ``shard_numel`` (row ``r``: rank ``r``'s slice), zeros after its end."""
     flat = grad.reshape(-1)
-    pad = world * shard_numel - flat.numel()
-    return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(world, shard_numel)
+    return torch.cat([flat, flat.new_zeros(world * shard_numel - flat.numel())]).view(world, shard_numel)
 
 
 def reduce_counted(flat: FlatReduce, counters: object) -> None:

@@ -81,13 +81,17 @@ class LiveSet:
         m = self.table.records[pid]
         self.counters.gathered(pid, collective_bytes(m.layout.shard_numel, m.world_size,
                                                       wanted_dtype(m, True).itemsize))
-        seen = self._pass_gathers.get((pass_key, pid), 0)
-        self._pass_gathers[(pass_key, pid)] = seen + 1
-        self.counters.regathered_params += seen > 0
+        self._count_pass(pid, pass_key)
         if pid not in self.table.persistent and pid not in self.live:
             self.live[pid] = m.numel
             self.total += m.numel
             self.counters.live_high_water = max(self.counters.live_high_water, self.total)
+
+    def _count_pass(self, pid: int, pass_key: tuple) -> None:
+        """One more gather of ``pid`` in the pass; from the second on it is a regather."""
+        seen = self._pass_gathers.get((pass_key, pid), 0)
+        self._pass_gathers[(pass_key, pid)] = seen + 1
+        self.counters.regathered_params += seen > 0
 
     # ------------------------------------------------------------------- use counts
     def use(self, ids: Iterable[int]) -> None:
@@ -211,9 +215,10 @@ class LiveSet:
         """Gather the flat persistent params in one collective (``flat.py``), counted per param."""
         self.counters.persistent_gathers += len(flat.pids)
         self.counters.allgather_calls += 1
+        self.counters.gathered_many(flat.pids, flat.nbytes)
         key = self._pass_key(FORWARD)
-        for pid in flat.pids:
-            self._note_gathered(pid, key)
+        for pid in flat.pids:  # persistent: never in the live set
+            self._count_pass(pid, key)
         flat.gather(how)
 
     def release_all(self) -> None:

@@ -47,6 +47,14 @@ class StepCounters:
         self.gathered_params += 1
         self.param_gathers[pid] = self.param_gathers.get(pid, 0) + 1
 
+    def gathered_many(self, pids: list[int], nbytes: list[int]) -> None:
+        """Count parameters gathered by one collective (``nbytes[i]`` for ``pids[i]``)."""
+        self.allgather_bytes += sum(nbytes)
+        self.gathered_params += len(pids)
+        counts = self.param_gathers
+        for pid in pids:
+            counts[pid] = counts.get(pid, 0) + 1
+
 
 @dataclass(frozen=True)
 class CoordinatorStats:
