@@ -77,12 +77,14 @@ class FlatGather:
         self.params: list[nn.Parameter] = table.select(self.pids)
         self.records: list[ParamMeta] = [table.records[pid] for pid in self.pids]
         self.full: Optional[torch.Tensor] = None
+        self._scratch: Optional[torch.Tensor] = None
         self.broken = not self.pids
         if self.broken:
             return
         first = self.records[0]
         self.info, self.world, self.device = first.info, first.world_size, first.device
         self.dtype = wanted_dtype(first, True)
+        self.cast = first.shard.dtype != self.dtype or first.shard.device != self.device
         self.sizes = [m.layout.shard_numel for m in self.records]
         self.nbytes = [collective_bytes(s, self.world, self.dtype.itemsize) for s in self.sizes]
         watch_shards(self.records)
@@ -113,18 +115,31 @@ class FlatGather:
     def gather(self, how: str) -> None:
         """All-gather every flat shard into the buffer (a new one for INSTALL) in one collective."""
         versions = memory_versions(self.records)  # the shards as sent
+        buf = self.scratch()
+        rows = buf.view(self.world, -1)
+        own = rows[self.info.rank]
         with torch.no_grad():
-            send = torch.cat([m.shard for m in self.records])
-        send = send.to(self.device, self.dtype)
+            shards = [m.shard for m in self.records]
+            if self.cast:
+                own.copy_(torch.cat(shards))
+            else:
+                torch.cat(shards, out=own)
         if how == INSTALL:
             self._allocate()
-        recv = alloc(self.world * send.numel(), self.dtype, self.device)
-        all_gather_many([recv], [send], self.info)
-        torch.split_with_sizes_copy(recv.view(self.world, -1), self.sizes, dim=1, out=self._outs)
+        all_gather_many([buf], [own], self.info)
+        torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=self._outs)
         if how == INSTALL:
             self._place()
         for m, version in zip(self.records, versions):
             m.full_version = version
+
+    def scratch(self) -> torch.Tensor:
+        """One kept buffer of ``world * sum(shard_numel)`` elements of the full dtype: the refresh
+        receives into it (its own row is the send buffer) and the grads are packed into it to
+        be reduce-scattered; the two never overlap, and nothing is allocated afresh each step."""
+        if self._scratch is None:
+            self._scratch = alloc(self.world * sum(self.sizes), self.dtype, self.device)
+        return self._scratch
 
     def _allocate(self) -> None:
         padded = [self.world * s for s in self.sizes]
@@ -179,7 +194,7 @@ class FlatReduce:
         buffer, into the grad shards; the grads are consumed (``p.grad`` None)."""
         flat, world = self.flat, self.flat.world
         grads, self._grads = self._grads, []
-        send = alloc(world * sum(self.sizes), flat.dtype, flat.device)
+        send = flat.scratch()
         with torch.no_grad():
             rows = [g.detach().reshape(world, s) if even else _padded_rows(g.detach(), world, s)
                     for g, s, even in zip(grads, self.sizes, self.even)]
