@@ -84,3 +84,21 @@ def test_modules_inside_a_fetch_unit_carry_no_forward_hooks():
     out = run(1, _hooks)[0]
     assert out["unit"] and out["inner"] == [0] * len(out["inner"])
     assert out["checks_back"] and all(n == 1 for n in out["checks_back"])  # detach: checks restored
+
+
+def _micro_batches(threshold: int) -> tuple:
+    rank, _ = rank_info()
+    _, model = make_pair(GPT)
+    co = attach(model, persistence_threshold=threshold)
+    for i in range(3):  # three micro-batches: the flat grad shards are added to in one op
+        model(*batch(i, 2, rank * 2)).backward()
+    grads = [meta(p).grad_shard.clone() for p in model.parameters()]
+    storages = {meta(p).grad_shard.untyped_storage().data_ptr() for p in model.parameters()}
+    co.detach()
+    return grads, len(storages)
+
+
+def test_micro_batches_accumulate_into_the_flat_grad_shards_bitwise():
+    (flat, n_flat), (per_unit, n_unit) = run(2, _micro_batches, 100_000)[0], run(2, _micro_batches, 0)[0]
+    assert n_flat == 1 < n_unit
+    assert all(torch.equal(a, b) for a, b in zip(flat, per_unit))

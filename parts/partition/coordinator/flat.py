@@ -36,7 +36,8 @@ from parts.comm import all_gather_many, comm_counter, reduce_scatter_many
 from parts.partition.coordinator.plan import collective_bytes
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.core import disk
-from parts.partition.core.grad_guard import as_grad_shard, internal, raw_grad, set_raw_grad as _set_grad
+from parts.partition.core.grad_guard import as_grad_shard, internal, raw_grad
+from parts.partition.core.grad_guard import set_raw_grad as _set_grad
 from parts.partition.core.grads import accumulate_into
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, memory_versions, wanted_dtype,
                                         watch_shards)
@@ -179,7 +180,7 @@ class FlatReduce:
     def ready(self) -> bool:
         """True if every parameter has a full grad of its shape and the buffer's dtype (else the
         per-parameter path reduces what there is)."""
-        if not self.params:
+        if not self.params or self.flat.broken:
             return False
         grads = [raw_grad(p) for p in self.params]
         dtype = self.flat.dtype

@@ -2,9 +2,10 @@
 
 A step begins at the first forward (or backward) of its phase: the trace book starts
 recording, rank 0's buffers are broadcast (``sync_buffers``) and the persistent parameters
-that need it are gathered in one collective (those of the flat buffer, flat.py, in their own). It ends when its forward returns (no grad) or
-its backward does: the trace is stored, idle parameters are released and the counters of
-the step are frozen into the ``CoordinatorStats`` that ``stats()`` returns.
+that need it are gathered in one collective (those of the flat buffer, flat.py, in one of
+their own). It ends when its forward returns (no grad) or its backward does: the trace is
+stored, idle parameters are released and the counters of the step are frozen into the
+``CoordinatorStats`` that ``stats()`` returns.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class Steps:
         flat = how in (REFILL, INSTALL)
         todo, stale = self.live.persistent_to_gather(
             self.table.persistent_ids if how == FALLBACK else self.flat.others)
-        self.check.point(self.current[phase], "start", ids=sorted(todo + stale + (self.flat.pids if flat else [])))
+        ids = todo + stale + (self.flat.pids if flat else [])
+        self.check.point(self.current[phase], "start", ids=sorted(ids))
         if flat:
             self.live.refresh_flat(self.flat, how)
         self.live.refresh_persistent(todo, stale)

@@ -184,7 +184,8 @@ def release(params: Iterable[nn.Parameter], free_storage: bool = False,
 
 def _owns_storage(data: torch.Tensor, m: ParamMeta) -> bool:
     """True if ``data`` is the full tensor ``gather`` made for ``m`` (nobody else's storage)."""
-    return (m.numel > 0 and not m.in_flat and data.shape == m.shape and data.untyped_storage().data_ptr() == m.full_ptr
+    return (m.numel > 0 and not m.in_flat and data.shape == m.shape
+            and data.untyped_storage().data_ptr() == m.full_ptr
             and data.storage_offset() == 0 and data.is_contiguous())
 
 
