@@ -10,6 +10,15 @@ three-stage pipeline: the reads of chunk k+1 are in flight while chunk k is step
 chunk k's writes run while chunk k+1 is stepped; chunk k-1's memory is freed once its
 writes finished, so at most three chunks are held.
 
+The pipeline runs across steps (``across_steps=True``, the default): ``step()`` returns with
+the last chunk's writes still in flight (*behind*) and the state of the next step's first
+chunk being read (*ahead*: state does not depend on grads), so both run during the next
+forward and backward. Between steps at most two chunks are held (behind and ahead), so the
+three-chunk bound holds. The next ``step()`` takes both over; ``settle()`` waits for the writes
+and drops the reads ahead, and every path that reads or changes state outside ``step()``
+(``state_dict``, ``load_state_dict``, ``write_state``, ...) settles first. A parked value
+whose write is behind stays loaded until it is done; ``parking.drop`` waits for that write.
+
 The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
 so any optimizer whose update of a parameter depends only on that parameter's grad and
 state (AdamW, Adam, SGD, Adagrad, RMSprop, ... with the per-tensor or foreach kernels)
@@ -38,7 +47,8 @@ class _Batch:
     """The reads (or writes) of one chunk and what to do once they are done (``keep``: tensors
     the writes read from, given back to ``spares`` if any)."""
 
-    def __init__(self, spares: Optional[Spares] = None) -> None:
+    def __init__(self, spares: Optional[Spares] = None, params: tuple[int, ...] = ()) -> None:
+        self.params = params  # ids of the chunk's parameters
         self.handles: list[IOHandle] = []
         self.after: list[Callable[[], None]] = []
         self.keep: list[torch.Tensor] = []
@@ -55,13 +65,20 @@ class _Batch:
         self.handles, self.after, self.keep = [], [], []
 
 
+def _discard(batch: Optional[_Batch]) -> None:
+    """Wait for a batch of reads and drop what they read (nothing installed)."""
+    if batch is not None:
+        batch.after = []
+        batch.finish()
+
+
 class OffloadedOptimizer(OptimizerWrapper):
     """Wraps ``optimizer``; its per-parameter state tensors live in ``store`` between steps."""
 
     drives_parked_tensors = True  # parking's plain-optimizer guard lets this one through
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: DiskStore, *,
-                 chunk_bytes: int = 64 << 20, prefix: str = "optim") -> None:
+                 chunk_bytes: int = 64 << 20, prefix: str = "optim", across_steps: bool = True) -> None:
         super().__init__(optimizer)
         if not isinstance(store, DiskStore):
             raise TypeError(f"OffloadedOptimizer: store must be a parts.offload.DiskStore, got {type(store).__name__}")
@@ -79,6 +96,9 @@ class OffloadedOptimizer(OptimizerWrapper):
         self.grad_scale: Optional[torch.Tensor] = None  # multiplies grads read from the store
         self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
         self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (one step)
+        self.across_steps = across_steps
+        self._behind: Optional[_Batch] = None  # the last step's last chunk's writes, in flight
+        self._ahead: Optional[_Batch] = None  # the next step's first chunk's state, being read
         self._patch_step_function()
         self._offload_all()
 
@@ -91,6 +111,7 @@ class OffloadedOptimizer(OptimizerWrapper):
     def params_replaced(self) -> None:
         """Take the wrapped optimizer's params anew (a wrapper such as ``BF16Optimizer`` pointed
         its groups at fp32 masters); only before any state tensor was offloaded."""
+        self.settle()
         if self._placed:
             raise RuntimeError("OffloadedOptimizer: its params were replaced after optimizer state "
                                "went to the store; wrap a fresh optimizer")
@@ -100,6 +121,7 @@ class OffloadedOptimizer(OptimizerWrapper):
 
     def state_of(self, p: torch.Tensor) -> dict[str, Any]:
         """The full state of ``p`` (offloaded tensors read back into fresh memory)."""
+        self.settle()
         state = dict(self.optimizer.state.get(p, {}))
         state.update((name, self.state_of_key(p, name)) for name in self.stored_keys(p))
         return state
@@ -115,12 +137,14 @@ class OffloadedOptimizer(OptimizerWrapper):
             raise ValueError(f"OffloadedOptimizer: state {name!r} of parameter "
                              f"{self._index.get(id(p), '?')} must be a CPU tensor of shape "
                              f"{tuple(p.shape)}, got {tuple(value.shape)} on {value.device}")
+        self.settle()
         self.optimizer.state.get(p, {}).pop(name, None)
         self.store.write(self._key(p, name), value.contiguous()).wait()
         self._placed.setdefault(id(p), {})[name] = (value.shape, value.dtype)
 
     def clear_state(self, p: torch.Tensor) -> None:
         """Forget ``p``'s state: the in-memory entries and the stored tensors."""
+        self.settle()
         self.optimizer.state.pop(p, None)
         for name in self._placed.pop(id(p), {}):
             self.store.delete(self._key(p, name))
@@ -153,12 +177,15 @@ class OffloadedOptimizer(OptimizerWrapper):
     def _pipeline(self, chunks: list[list[torch.Tensor]]) -> None:
         try:
             self._run_pipeline(chunks)
+            if not self.across_steps:
+                self.settle()
         finally:
-            self.spares.clear()
+            carried = [] if self._behind is None else self._behind.keep
+            self.spares.clear(carried + ([] if self._ahead is None else self._ahead.keep))
 
     def _run_pipeline(self, chunks: list[list[torch.Tensor]]) -> None:
-        reading = self._read(chunks[0]) if chunks else None
-        writing: Optional[_Batch] = None
+        writing, self._behind = self._behind, None
+        reading = self._first_reads(chunks[0]) if chunks else None
         for k, chunk in enumerate(chunks):
             current = reading
             reading = self._read(chunks[k + 1]) if k + 1 < len(chunks) else None
@@ -169,25 +196,55 @@ class OffloadedOptimizer(OptimizerWrapper):
             previous, writing = writing, self._write(chunk)
             if previous is not None:
                 previous.finish()
-        if writing is not None:
-            writing.finish()
+        self._behind = writing
+        if chunks and self.across_steps:  # the next step's first chunk is most likely this one's
+            self._ahead = self._read(chunks[0], state=True, rest=False)
 
-    def _read(self, chunk: list[torch.Tensor]) -> _Batch:
-        """Start reading the chunk's state, parked values and parked grads; finish installs them."""
-        batch = _Batch()
+    def _first_reads(self, chunk: list[torch.Tensor]) -> _Batch:
+        """The reads of a step's first chunk: its state read ahead (if that was this chunk), the rest now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.params == tuple(map(id, chunk)):
+            return self._read(chunk, state=False, rest=True, batch=ahead)
+        _discard(ahead)  # another chunk (other grads this step): read again in its turn
+        return self._read(chunk)
+
+    def settle(self) -> None:
+        """Wait for the writes a step left behind and drop the reads it started ahead (after this,
+        the store holds all state and nothing of it is in flight); raises a failed write's error."""
+        behind, ahead, self._behind, self._ahead = self._behind, self._ahead, None, None
+        try:
+            if behind is not None:
+                behind.finish()
+        finally:
+            _discard(ahead)
+            self.spares.clear()
+
+    def _read(self, chunk: list[torch.Tensor], state: bool = True, rest: bool = True,
+              batch: Optional[_Batch] = None) -> _Batch:
+        """Start reading the chunk's state and (``rest``) parked values and grads; finish installs them."""
+        batch = batch or _Batch(params=tuple(map(id, chunk)))
         for p in chunk:
-            state = self.optimizer.state[p]
-            for name, (shape, dtype) in self._placed.get(id(p), {}).items():
-                state[name] = self.spares.empty(shape, dtype)
-                batch.handles.append(self.store.read(self._key(p, name), state[name]))
-            if parking.parked(p) is not None:
+            if state:
+                self._read_state(p, batch)
+            if rest and parking.parked(p) is not None:
                 parking.prefetch(p)
                 batch.after.append(lambda p=p: parking.load(p))
-            if parking.has_grad(p):
+            if rest and parking.has_grad(p):
                 grad, handle = parking.load_grad(p, self.spares.empty)
                 batch.handles.append(handle)
                 batch.after.append(lambda p=p, grad=grad: self._install_grad(p, grad))
         return batch
+
+    def _read_state(self, p: torch.Tensor, batch: _Batch) -> None:
+        """Start reading ``p``'s stored state tensors; finishing ``batch`` installs them."""
+        for name, (shape, dtype) in self._placed.get(id(p), {}).items():
+            buf = self.spares.empty(shape, dtype)
+            batch.handles.append(self.store.read(self._key(p, name), buf))
+            batch.keep.append(buf)
+            batch.after.append(lambda p=p, name=name, buf=buf: self._install_state(p, name, buf))
+
+    def _install_state(self, p: torch.Tensor, name: str, buf: torch.Tensor) -> None:
+        self.optimizer.state[p][name] = buf
 
     def _install_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         if self.grad_scale is not None:
@@ -220,7 +277,7 @@ class OffloadedOptimizer(OptimizerWrapper):
                 if p.grad is not None:
                     self.spares.give(p.grad)  # read from the store, used by the step: done with
                 p.grad = None
-                batch.after.append(lambda p=p: parking.drop(p))
+                batch.after.append(lambda p=p: parking.release(p))
         return batch
 
     def _offloadable(self, p: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -269,6 +326,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         return out
 
     def _state_dict(self, offloaded: Callable[[torch.Tensor, str, Stored], Any]) -> dict[str, Any]:
+        self.settle()
         sd = self.optimizer.state_dict()
         for p in self._params:
             stored = self._stored(p)
@@ -281,6 +339,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         """Load as the wrapped optimizer does; state tensors shaped like their parameter go straight
         to the store one at a time (never all in memory at once); a ``Stored`` entry (from
         ``stored_state_dict``) must name this optimizer's own key: its bytes stay."""
+        self.settle()
         state_dict, kept = self._take_stored(state_dict)
         saved = [i for g in state_dict["param_groups"] for i in g["params"]]
         by_id = dict(zip(saved, self._params)) if len(saved) == len(self._params) else {}

@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
 from parts.offload.store import DiskStore, IOHandle
 
-__all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "save", "is_resident",
+__all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "release", "save", "is_resident",
            "version", "overwrite", "replace", "accumulate_grad", "load_grad", "has_grad", "clear_grad",
            "empty_for_io"]
 
@@ -44,6 +44,7 @@ class Parked:
     version: int = 0
     resident: bool = False
     pending: Optional[IOHandle] = field(default=None, repr=False)  # a read into the storage
+    saving: Optional[IOHandle] = field(default=None, repr=False)  # a write from the storage
     grad_dtype: Optional[torch.dtype] = None  # dtype of the stored grad (None: no grad stored)
     grad_of: Optional["Parked"] = field(default=None, repr=False)  # whose stored grad is this one's
 
@@ -153,11 +154,13 @@ def prefetch(t: torch.Tensor) -> None:
 
 
 def load(t: torch.Tensor) -> None:
-    """Make ``t``'s storage hold its bytes (waiting a prefetch, or reading now)."""
+    """Make ``t``'s storage hold its bytes (waiting a prefetch, or reading now) with no write of
+    them in flight."""
     record = parked(t)
     if record is None:
         return
     prefetch(t)
+    _wait_save(record)  # the caller may change the bytes once loaded
     if record.pending is not None:
         pending, record.pending = record.pending, None
         try:
@@ -169,12 +172,30 @@ def load(t: torch.Tensor) -> None:
 
 
 def drop(t: torch.Tensor) -> None:
-    """Empty ``t``'s storage (its bytes stay in the store); waits a read in flight first."""
+    """Empty ``t``'s storage (its bytes stay in the store); waits a read or a write in flight first."""
     record = parked(t)
     if record.pending is not None:
         load(t)
+    _wait_save(record)
     t.untyped_storage().resize_(0)
     record.resident = False
+
+
+def release(t: torch.Tensor) -> None:
+    """``drop`` ``t`` unless a read of it is in flight (someone prefetched it since it was loaded:
+    the bytes are theirs to use); waits its write in flight either way."""
+    record = parked(t)
+    if record.pending is None:
+        drop(t)
+    else:
+        _wait_save(record)
+
+
+def _wait_save(record: Parked) -> None:
+    """Wait for the last ``save`` of ``record``'s storage (its memory must outlive the write)."""
+    saving, record.saving = record.saving, None
+    if saving is not None:
+        saving.wait()
 
 
 def save(t: torch.Tensor) -> IOHandle:
@@ -183,7 +204,8 @@ def save(t: torch.Tensor) -> IOHandle:
     if not record.resident:
         raise RuntimeError(f"parts.offload: save of {record.key!r}, which is not loaded")
     record.version += 1
-    return record.store.write(record.key, t)
+    record.saving = record.store.write(record.key, t)
+    return record.saving
 
 
 def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:

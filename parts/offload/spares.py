@@ -8,10 +8,13 @@ layers repeat), so the state and grad buffers of chunk k-1, free once its writes
 take the reads of chunk k+2. Only tensors this pool made come back (never one someone else
 may hold), matched by exact byte size. A miss first drops at least as many spare bytes as
 it allocates, so spares plus fresh buffers never exceed the chunks they came from: the
-step's memory bound (three chunks) holds. ``clear`` at the end of a step frees the rest.
+step's memory bound (three chunks) holds. ``clear`` at the end of a step frees the rest; the
+buffers a step carries over (writes behind, reads ahead) stay lent, to come back in the next.
 """
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 
@@ -55,9 +58,11 @@ class Spares:
         self._free.setdefault(base.numel(), []).append(base)
         self.spare_bytes += base.numel()
 
-    def clear(self) -> None:
-        """Free every spare and forget what was handed out."""
-        self._free, self._lent, self.spare_bytes = {}, {}, 0
+    def clear(self, still_lent: Iterable[torch.Tensor] = ()) -> None:
+        """Free every spare and forget what was handed out, except ``still_lent`` (buffers a step
+        carries over to the next: they come back when their holder is done)."""
+        kept = {id(t): t for t in still_lent if self._lent.get(id(t)) is t}
+        self._free, self._lent, self.spare_bytes = {}, kept, 0
 
     def _drop(self, nbytes: int) -> None:
         """Free spares of at least ``nbytes`` (or all of them)."""
