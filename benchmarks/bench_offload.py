@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="measured steps per system (after 1 warm-up)")
+    ap.add_argument("--within-step", action="store_true",
+                    help="offloaded optimizer's pipeline within each step only (across_steps=False)")
     return ap.parse_args()
 
 
@@ -97,37 +99,46 @@ def build(args, store):
     attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
            persistence_threshold=4 * width, reduce_bucket_size=layer)
     inner = torch.optim.AdamW(shards(model), lr=1e-4)
-    return model, (OffloadedOptimizer(inner, store, chunk_bytes=256 << 20) if store is not None else inner)
+    if store is None:
+        return model, inner
+    return model, OffloadedOptimizer(inner, store, chunk_bytes=256 << 20, across_steps=not args.within_step)
 
 
-def step(model, opt, tokens, gen, args, store) -> dict:
-    """One training step: wall and CPU seconds (this process, IO threads included), store counters."""
+def step(model, opt, tokens, gen, args, store, settle: bool = True) -> dict:
+    """One training step: wall and CPU seconds (this process, IO threads included), store counters.
+    ``settle``: the next step is the other system's, so the writes this step leaves behind (and
+    the reads it starts ahead) are waited inside its own time; else they overlap the next step,
+    which also counts their bytes."""
     before = store.stats.snapshot() if store is not None else None
     wall, cpu = time.perf_counter(), time.process_time()
     model(*batch(tokens, args.batch_size, args.seq_len, gen)).backward()
     mid, opt_wall = store.stats.snapshot() if store is not None else None, time.perf_counter()
     opt.step()
     opt.zero_grad()
+    if store is not None and settle:
+        opt.settle()
+        store.flush()
     opt_wall = time.perf_counter() - opt_wall
     dist.barrier()
     out = dict(wall=time.perf_counter() - wall, cpu=time.process_time() - cpu, opt_wall=opt_wall)
     if store is not None:
-        store.flush()
         out["io"], out["opt_io"] = store.stats.minus(before), store.stats.minus(mid)
     return out
 
 
 def measure(args, tokens, store) -> tuple[list[dict], list[dict]]:
-    """Per-step records of the in-memory and the offloaded system, stepped alternately."""
+    """Per-step records of the in-memory and the offloaded system, stepped alternately (mem, off,
+    off, mem, ...: an offloaded step followed by another one leaves its writes behind to it)."""
     systems = [build(args, None), build(args, store)]
     gens = [torch.Generator().manual_seed(dist.get_rank()) for _ in systems]
     for (model, opt), gen, st in zip(systems, gens, (None, store)):
         step(model, opt, tokens, gen, args, st)  # warm-up: records the trace, creates optimizer state
+    order = [w for r in range(args.rounds) for w in ((0, 1) if r % 2 == 0 else (1, 0))]
     records: list[list[dict]] = [[], []]
-    for r in range(args.rounds):
-        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
-            model, opt = systems[which]
-            records[which].append(step(model, opt, tokens, gens[which], args, store if which else None))
+    for i, which in enumerate(order):
+        model, opt = systems[which]
+        settle = i + 1 == len(order) or order[i + 1] != which
+        records[which].append(step(model, opt, tokens, gens[which], args, store if which else None, settle))
     for model, _ in systems:
         detach(model)
     return records[0], records[1]

@@ -6,6 +6,7 @@ state dicts are taken: a buffer freed or reused before its write finished would 
 bytes (or fail), and the run would differ from the in-memory one.
 """
 
+import copy
 import os
 import time
 
@@ -86,3 +87,31 @@ def test_writes_behind_and_reads_ahead_stay_bitwise_under_a_slow_writer(tmp_path
         # (the first step's may be done by then) and the next step's first state reads had started
         assert all(behind > 0 for behind, _ in flights[1:]), flights
         assert all(ahead > 0 for _, ahead in flights), flights
+
+
+def test_reads_ahead_of_a_chunk_the_next_step_skips_are_dropped(tmp_path):
+    """A step where the first parameter has no grad starts at another chunk: the state read
+    ahead for the first one is dropped (not installed), and the run stays bitwise in memory's."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    off = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with DiskStore(tmp_path, block_bytes=4096) as store:
+        opt = OffloadedOptimizer(torch.optim.AdamW(off.parameters(), lr=1e-2), store, chunk_bytes=64 * 64 * 16)
+        first = (id(off[0].weight),)
+        for step in range(4):
+            for model, o in ((ref, ref_opt), (off, opt)):
+                model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+                if step == 2:
+                    model[0].weight.grad = None
+                ahead = opt._ahead.params if opt._ahead is not None else None
+                o.step()
+                o.zero_grad()
+            # read ahead: nothing before the first step; chunk (w0,) after steps 0, 1; after step
+            # 2 (w0 frozen) its first chunk, not (w0,): steps 2 and 3 drop what was read ahead
+            assert (ahead == first) == (step in (1, 2)) and (ahead is None) == (step == 0)
+            w0 = off[0].weight  # what was read ahead and dropped was not installed in memory
+            assert not [k for k, v in opt.state[w0].items() if torch.is_tensor(v) and v.shape == w0.shape]
+        assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), off.parameters()))
+        ref_sd, off_sd = ref_opt.state_dict(), opt.state_dict()
+        assert all(torch.equal(v, off_sd["state"][i][k]) for i, st in ref_sd["state"].items() for k, v in st.items())

@@ -14,10 +14,12 @@ The pipeline runs across steps (``across_steps=True``, the default): ``step()`` 
 the last chunk's writes still in flight (*behind*) and the state of the next step's first
 chunk being read (*ahead*: state does not depend on grads), so both run during the next
 forward and backward. Between steps at most two chunks are held (behind and ahead), so the
-three-chunk bound holds. The next ``step()`` takes both over; ``settle()`` waits for the writes
-and drops the reads ahead, and every path that reads or changes state outside ``step()``
-(``state_dict``, ``load_state_dict``, ``write_state``, ...) settles first. A parked value
-whose write is behind stays loaded until it is done; ``parking.drop`` waits for that write.
+three-chunk bound holds. The next ``step()`` takes both over (reads ahead of another chunk
+than its first are dropped); ``settle()`` waits for the writes and drops the reads ahead; the
+state dicts and every change of state outside ``step()`` (``load_state_dict``, ``write_state``,
+``clear_state``) settle first; a lone read of a key waits for its write (the store's per-key
+order). A parked value whose write is behind stays loaded until it is done: ``parking.drop``
+and ``parking.load`` wait for that write.
 
 The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
 so any optimizer whose update of a parameter depends only on that parameter's grad and
@@ -65,10 +67,10 @@ class _Batch:
         self.handles, self.after, self.keep = [], [], []
 
 
-def _discard(batch: Optional[_Batch]) -> None:
-    """Wait for a batch of reads and drop what they read (nothing installed)."""
+def _discard(batch: Optional[_Batch], spares: Spares) -> None:
+    """Wait for a batch of reads and give its buffers back to ``spares`` (nothing installed)."""
     if batch is not None:
-        batch.after = []
+        batch.after, batch.spares = [], spares
         batch.finish()
 
 
@@ -205,7 +207,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.params == tuple(map(id, chunk)):
             return self._read(chunk, state=False, rest=True, batch=ahead)
-        _discard(ahead)  # another chunk (other grads this step): read again in its turn
+        _discard(ahead, self.spares)  # another chunk (other grads this step): read again in its turn
         return self._read(chunk)
 
     def settle(self) -> None:
@@ -216,7 +218,7 @@ class OffloadedOptimizer(OptimizerWrapper):
             if behind is not None:
                 behind.finish()
         finally:
-            _discard(ahead)
+            _discard(ahead, self.spares)
             self.spares.clear()
 
     def _read(self, chunk: list[torch.Tensor], state: bool = True, rest: bool = True,

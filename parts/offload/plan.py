@@ -8,6 +8,8 @@ Memory bound (bytes one rank holds above its baseline during an offloaded ZeRO-3
                        + prefetch_bucket_size * itemsize       gathers in flight ahead
     shard buffers      read_ahead * itemsize / world           shards read ahead, awaiting their gather
     optimizer          3 * max(chunk_bytes, largest)           chunks being read, stepped, written
+                                                               (between steps: the last chunk's writes
+                                                               behind, the next first chunk's state ahead)
                                                                (a parameter whose own bytes, grad and
                                                                state exceed chunk_bytes is one chunk)
     store              threads * block_bytes + max_inflight    bounce buffers, transfers queued (a
