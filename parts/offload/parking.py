@@ -9,7 +9,9 @@ parameter) can tell it changed while the storage was empty.
 
 A parked tensor may also carry a gradient in the store (``<key>/grad``):
 ``accumulate_grad`` adds into it (read, add, write), ``load_grad`` returns it,
-``clear_grad`` deletes it. Once anything is parked, a global optimizer pre-step hook makes a
+``clear_grad`` deletes it. A ``save`` may still be in flight when the caller goes on (the
+optimizer's writes behind a step): ``load``, ``drop``, ``overwrite`` and ``replace`` wait for it first, as the
+write reads the storage they would change or free. Once anything is parked, a global optimizer pre-step hook makes a
 plain torch optimizer that would step a parked tensor raise (it would see no grad and
 silently skip it); ``OffloadedOptimizer`` sets ``driver.active`` around its own steps. These are the integration points of ``parts.partition``
 (shards on disk) and ``OffloadedOptimizer`` (which steps parked tensors chunk by chunk).
@@ -214,6 +216,7 @@ def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:
     record = parked(t)
     if record.pending is not None:
         load(t)
+    _wait_save(record)
     if not record.resident and values.dtype == t.dtype and values.numel() == t.numel() \
             and values.device.type == "cpu":
         replace(t, values.detach())
@@ -230,6 +233,7 @@ def replace(t: torch.Tensor, values: torch.Tensor) -> None:
     """Store ``values`` (flat, ``t``'s dtype and size) as parked ``t``'s bytes without loading ``t``
     (its memory too, if loaded); counted as a save (``version`` moves)."""
     record = parked(t)
+    _wait_save(record)  # its memory may be written over below
     if values.dtype != t.dtype or values.numel() != t.numel():
         raise ValueError(f"parts.offload: replace of {record.key!r} ({t.numel()} x {t.dtype}) by "
                          f"{values.numel()} x {values.dtype}")
