@@ -166,12 +166,18 @@ def raw_pair(store, nbytes: int, rank: int) -> tuple[tuple[float, float], list]:
     return raw_bandwidth(store, nbytes, rank == 0), all_gather_objects(raw_bandwidth(store, nbytes, True))
 
 
-def main() -> None:
-    args = parse_args()
+def setup() -> tuple[int, int]:
+    """Join the gloo group; a share of the cores per rank; large buffers mapped (freed at once)."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     set_mmap_threshold(128 * 1024)
+    return rank, world
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world = setup()
     store = DiskStore(os.path.join(args.store, f"rank{rank}"))
     nbytes = int(args.raw_gib * GiB)
     load0, cpu0, wall0 = os.getloadavg(), time.process_time(), time.perf_counter()

@@ -27,7 +27,6 @@ import bench_offload as bench  # noqa: E402
 from chardata import load_splits  # noqa: E402  (recipes/ is on the path through bench_offload)
 
 from parts.comm import all_gather_objects  # noqa: E402
-from parts.observe import set_mmap_threshold  # noqa: E402
 from parts.offload import DiskStore  # noqa: E402
 
 NAMES = ("memory", "across", "within")
@@ -87,10 +86,7 @@ def report(rows: list[dict], args, loads) -> None:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    set_mmap_threshold(128 * 1024)
+    rank, _ = bench.setup()
     stores = {"memory": None, "across": DiskStore(os.path.join(args.store, f"across{rank}")),
               "within": DiskStore(os.path.join(args.store, f"within{rank}"))}
     tokens, _ = load_splits(None)
