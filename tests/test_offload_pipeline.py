@@ -41,8 +41,9 @@ def _slow_writes(store: DiskStore, slept: list, torn: list) -> None:
 
 
 def _in_flight(opt: OffloadedOptimizer, params) -> tuple[int, int]:
-    """(parked values whose write is still in flight, state reads started ahead)."""
-    behind = sum(1 for p in params if parking.parked(p).saving is not None and not parking.parked(p).saving.done)
+    """(parked values whose write step() left behind, state reads it started ahead); whether
+    they are still in flight now depends on the machine's load, so not asserted."""
+    behind = sum(1 for p in params if parking.parked(p).saving is not None)
     ahead = 0 if opt._ahead is None else len(opt._ahead.handles)
     return behind, ahead
 
@@ -83,10 +84,10 @@ def test_writes_behind_and_reads_ahead_stay_bitwise_under_a_slow_writer(tmp_path
     for same, flights, slept, torn in run(world, body_slow_writer, str(tmp_path), timeout=120.0):
         assert torn == [] and all(same), (torn, same)
         assert slept > 0
-        # the race was there: after the later steps some shard writes were still in flight
-        # (the first step's may be done by then) and the next step's first state reads had started
-        assert all(behind > 0 for behind, _ in flights[1:]), flights
-        assert all(ahead > 0 for _, ahead in flights), flights
+        # every step returned with shard writes behind and the next step's first state reads
+        # ahead (the slow writer keeps them in flight through the next forward unless the
+        # machine is very loaded; with drop not waiting for them this test failed: torn pieces)
+        assert all(behind > 0 and ahead > 0 for behind, ahead in flights), flights
 
 
 def test_reads_ahead_of_a_chunk_the_next_step_skips_are_dropped(tmp_path):
