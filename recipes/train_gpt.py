@@ -66,8 +66,8 @@ def parse_args() -> argparse.Namespace:
     add("--warmup", type=int, default=20)
     add("--lr-floor", type=float, default=0.1, help="the cosine decay ends at this fraction of --lr")
     add("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
-    add("--eval-interval", type=int, default=150)
-    add("--eval-batches", type=int, default=16)
+    add("--eval-interval", type=int, default=275)
+    add("--eval-batches", type=int, default=12)
     add("--sample-chars", type=int, default=300)
     add("--prompt", default='class Reader:\n    """A reader."""\n\n    def __init__(self',
         help="text the sample continues")
