@@ -25,6 +25,7 @@ and top-k sampling, ``--seed``).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import shutil
@@ -228,6 +229,9 @@ def main() -> None:
     sample = generate(model, args)
     save(args.out, model, optimizer, schedule, start + args.steps)
     summarize(args, train_stats, optimizer, train_curve, val_curve, elapsed, sample, world)
+    del model, coordinator, optimizer, schedule
+    gc.collect()  # the coordinator's hooks and buffers go before the process group does
+    dist.barrier()  # no rank tears its connections down while another is still using them
     dist.destroy_process_group()
 
 
