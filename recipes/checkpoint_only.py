@@ -95,6 +95,7 @@ def main() -> None:
               f"caller's x, not counted) and the output; partitioned keeps 1/{world} of each input.\n"
               "On a CPU-only machine activations already live in host memory: cpu_offload moves "
               "the kept shares off an accelerator, here it changes nothing.")
+    dist.barrier()  # no rank tears its connections down while another still works
     dist.destroy_process_group()
 
 

@@ -130,6 +130,7 @@ def main() -> None:
         print(f"wrote {args.out}: {len(state)} tensors, a plain state_dict")
         print(f"plain GPT loads it (strict) and gets validation loss {reloaded:.4f} "
               f"(sharded model: {after:.4f}, equal: {reloaded == after})")
+    dist.barrier()  # no rank tears its connections down while another still works
     dist.destroy_process_group()
 
 

@@ -171,6 +171,7 @@ def main() -> None:
     dist.barrier()
     if tmp is not None:
         shutil.rmtree(tmp)
+    dist.barrier()  # no rank tears its connections down while another still works
     dist.destroy_process_group()
 
 

@@ -145,6 +145,7 @@ def main() -> None:
         print("formula: ZeRO-3 params = bytes x Ψ / N (replicated: bytes x Ψ); "
               "measured params include shard padding;\n"
               "RSS is the whole process after malloc_trim, (+built) its growth since that model's pre-init")
+    dist.barrier()  # no rank tears its connections down while another still works
     dist.destroy_process_group()
 
 

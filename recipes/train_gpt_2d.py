@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     out = train(args, grid, train_tokens, log)
     if log:
         log(f"{args.steps} steps in {time.perf_counter() - start:.1f} s, final loss {out['losses'][-1]:.4f}")
+    dist.barrier()  # no rank tears its connections down while another still works
     dist.destroy_process_group()
 
 

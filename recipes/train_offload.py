@@ -199,6 +199,7 @@ def main() -> None:
                             ("total time", report.clock(time.perf_counter() - start))]), flush=True)
     timer.remove()
     store.close()
+    dist.barrier()  # no rank tears its connections down while another still works
     dist.destroy_process_group()
 
 

@@ -112,6 +112,7 @@ def main() -> None:
         print(f"formula: 2Ψ + 4Ψ + (4 + K)Ψ/N with K = 12 (fp32 master + m + v), Ψ = {numel:,}, "
               f"N = {world};\nthe 4Ψ fp32 grad buffer keeps micro-batch accumulation in fp32; "
               "measured bytes include partition padding")
+    dist.barrier()  # no rank tears its connections down while another still works
     dist.destroy_process_group()
 
 
