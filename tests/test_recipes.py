@@ -136,7 +136,9 @@ def check_train_gpt(out: str, workdir: Path) -> None:
     (first, last), = rows(r"^train loss\s+([\d.]+) -> ([\d.]+)", out)
     assert float(last) < float(first), out
     (gathered,), = rows(r"^all-gathered per step\s+([\d.]+) MiB", out)
-    assert float(gathered) > 0, out  # the coordinator moved weights (persistence does not cover all)
+    assert float(gathered) > 0, out  # the coordinator moved weights (fetched per block: threshold 1000)
+    (fetches,), = rows(r"^prefetch hits / fetches\s+\d+ / (\d+)", out)
+    assert int(fetches) > 0, out
     assert "--- sample ---" in out and out.count("validation loss") >= 2
     state = read_checkpoint(workdir / "gpt.ckpt")
     assert (state["world_size"], state["step"]) == (2, 6)
@@ -145,6 +147,7 @@ def check_train_gpt(out: str, workdir: Path) -> None:
 
 TRAIN_GPT_TINY = ("--steps", "6", "--n-layer", "2", "--n-embd", "64", "--seq-len", "32",
                   "--batch-size", "4", "--eval-interval", "3", "--eval-batches", "1", "--checkpoint",
+                  "--persistence-threshold", "1000",
                   "--sample-chars", "16", "--dtype", "fp32", "--out", "{workdir}/gpt.ckpt",
                   "--plot", "{workdir}/loss.png")
 
