@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from parts.comm import GroupArg, check_member
+from parts.comm import GroupArg, WeakGroup, check_member
 from parts.checkpoint.buffers import ContiguousBuffers
 from parts.checkpoint.rng import RNGTracker
 from parts.base import Timers
@@ -28,7 +28,7 @@ class CheckpointPolicy:
       accelerator generators.
     """
 
-    partition_group: GroupArg = None
+    partition_group: GroupArg = WeakGroup()  # held weakly: see parts.comm.WeakGroup
     cpu_offload: bool = False
     buffers: Optional[ContiguousBuffers] = None
     synchronize: bool = False

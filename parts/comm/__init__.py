@@ -16,7 +16,7 @@ from parts.comm.agree import RankDisagreement, agree
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
-from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, check_member, env_world_size,
+from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size,
                               global_rank, group_info, is_distributed, is_member, require_distributed,
                               resolve_group)
 from parts.comm.work import Waitable, Work, WorkList

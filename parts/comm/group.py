@@ -8,12 +8,13 @@ initialised ``torch.distributed`` a process is a world of one.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["ProcessGroup", "GroupArg", "GroupInfo", "is_distributed", "resolve_group", "group_info",
+__all__ = ["ProcessGroup", "GroupArg", "GroupInfo", "WeakGroup", "is_distributed", "resolve_group", "group_info",
            "check_member", "is_member", "require_distributed", "global_rank", "env_world_size"]
 
 ProcessGroup = dist.ProcessGroup
@@ -41,14 +42,58 @@ def global_rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
+def _no_group() -> None:
+    return None
+
+
+def _weak(group: GroupArg) -> Callable[[], GroupArg]:
+    """A callable returning ``group`` while it lives (None for None); strong only for a
+    group type that takes no weak reference."""
+    if group is None:
+        return _no_group
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return lambda: group
+
+
+class WeakGroup:
+    """An attribute holding a process group weakly (None stays None: the default group).
+
+    torch's registry holds every group until ``destroy_process_group``. A model, coordinator
+    or optimizer the user keeps past ``destroy_process_group`` must not keep the group, and
+    gloo's worker threads, alive into interpreter teardown: a worker still releasing a
+    finished collective's tensors there takes the GIL, the finalizing interpreter ends it with
+    ``pthread_exit`` and the unwind through a ``noexcept`` destructor aborts the process
+    (``terminate called without an active exception``, issue 21 row 3). Reading the
+    attribute once the group is gone raises, naming it. Usable as a dataclass field default.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = f"{owner.__name__}.{name}", f"_weak_{name}"
+
+    def __get__(self, obj: object, owner: Optional[type] = None) -> GroupArg:
+        if obj is None:
+            return None  # the default of a dataclass field
+        ref = obj.__dict__.get(self.slot, _no_group)
+        group = ref()
+        if group is None and ref is not _no_group:
+            raise RuntimeError(f"{self.name}: its process group was destroyed (destroy_process_group); "
+                               "build the object again on a live group")
+        return group
+
+    def __set__(self, obj: object, group: GroupArg) -> None:
+        obj.__dict__[self.slot] = _weak(group)
+
+
 @dataclass(frozen=True)
 class GroupInfo:
-    """A resolved process group: the handle to pass to torch (None: not distributed), this
-    rank in it and its size."""
+    """A resolved process group: the handle to pass to torch (None: not distributed, held
+    weakly: see ``WeakGroup``), this rank in it and its size."""
 
-    group: GroupArg
-    rank: int
-    world_size: int
+    group: GroupArg = WeakGroup()
+    rank: int = 0
+    world_size: int = 1
 
     def global_rank(self, group_rank: int) -> int:
         """Global rank of ``group_rank`` in this group (for ``src``/``dst`` arguments)."""

@@ -10,7 +10,7 @@ import torch
 
 from parts.base.weak import weak_method
 from parts.base.wrapper import OptimizerWrapper
-from parts.comm import GroupArg, ProcessGroup, resolve_group
+from parts.comm import GroupArg, ProcessGroup, WeakGroup, resolve_group
 
 from . import _collectives as C
 from . import offloaded
@@ -48,6 +48,8 @@ class BF16Optimizer(OptimizerWrapper):
     the skip on a non-finite norm and ``last_grad_norm`` then use that grid-wide norm.
     """
 
+    process_group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
+
     def __init__(self, optimizer: torch.optim.Optimizer, *, group: GroupArg = None,
                  clip_grad: float = 0.0, norm_type: float = 2.0,
                  allgather_bucket_size: int = 500_000_000,
@@ -59,10 +61,10 @@ class BF16Optimizer(OptimizerWrapper):
                  replicated: Optional[Callable[[torch.Tensor], bool]] = None,
                  param_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(optimizer)
-        self.norm_groups = tuple(norm_groups)
+        norm_groups = tuple(norm_groups)  # kept as GroupInfos (weak): see norm_groups
         check_options(clip_grad=clip_grad, norm_type=norm_type, step_chunk=step_chunk,
                       allgather_bucket_size=allgather_bucket_size,
-                      grad_accum_dtype=grad_accum_dtype, norm_groups=self.norm_groups,
+                      grad_accum_dtype=grad_accum_dtype, norm_groups=norm_groups,
                       replicated=replicated)
         self.step_chunk, self.allow_fp32 = int(step_chunk), bool(allow_fp32)
         self.param_dtype = check_param_dtype(param_dtype)
@@ -72,7 +74,7 @@ class BF16Optimizer(OptimizerWrapper):
         self.comm = resolve_group(group, "BF16Optimizer(group=...)", group_needs_init=False)
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         plan_buckets([], allgather_bucket_size, self.world_size)  # validate before touching params
-        self._counts_replicated = self._norm_group_ranks_are_zero()
+        self._counts_replicated = self._norm_group_ranks_are_zero(norm_groups)
         self._replicated = replicated
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
@@ -147,9 +149,14 @@ class BF16Optimizer(OptimizerWrapper):
         self._adopt_state(fg, sharded)
 
     # -- which grads count toward the norm on this rank --------------------------------------
-    def _norm_group_ranks_are_zero(self) -> bool:
+    @property
+    def norm_groups(self) -> tuple[ProcessGroup, ...]:
+        """The further process groups the grad norm is summed over (see the class docstring)."""
+        return tuple(info.group for info in self._norm_infos)
+
+    def _norm_group_ranks_are_zero(self, norm_groups: tuple) -> bool:
         """True if this rank is rank 0 of every norm group (it counts replicated params)."""
-        self._norm_infos = C.norm_group_infos(self.norm_groups)
+        self._norm_infos = C.norm_group_infos(norm_groups)
         return all(info.rank == 0 for info in self._norm_infos)
 
     def _counts(self, p: torch.Tensor) -> bool:

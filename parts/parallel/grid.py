@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from parts.comm import ProcessGroup, global_rank
+from parts.comm import ProcessGroup, WeakGroup, global_rank
 
 from . import _collectives as C
 from .layout import GridLayout
@@ -21,8 +21,11 @@ class ParallelGrid:
 
     Attributes: ``group`` (the parent), ``tp_group``, ``dp_group``, ``tp_rank``, ``dp_rank``,
     ``tp_size``, ``dp_size``, ``layout`` (the pure :class:`GridLayout`), ``tp_ranks`` and
-    ``dp_ranks`` (global ranks of this rank's groups).
+    ``dp_ranks`` (global ranks of this rank's groups). The groups are held weakly (torch holds
+    them until ``destroy_process_group``; issue 21 row 3).
     """
+
+    group, tp_group, dp_group = WeakGroup(), WeakGroup(), WeakGroup()
 
     def __init__(self, tp: int, group: Optional[ProcessGroup] = None) -> None:
         parent = C.group_ranks(group)

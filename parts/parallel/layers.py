@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parts.comm import GroupArg
+from parts.comm import GroupArg, WeakGroup
 
 from . import _collectives as C
 from .layout import tp_ranges
@@ -68,6 +68,8 @@ def _full_init(out_features: int, in_features: int, bias: bool,
 
 class _TPLinear(nn.Module):
     """Shared set-up: group, sizes, target dtype and device."""
+
+    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
 
     def __init__(self, in_features: int, out_features: int, group: GroupArg,
                  dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:

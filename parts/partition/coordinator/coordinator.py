@@ -39,7 +39,7 @@ from torch import nn
 
 from parts._compat import in_backward, on_backward_end
 from parts.base.weak import weak_method
-from parts.comm import GroupArg
+from parts.comm import GroupArg, WeakGroup
 from parts.partition.core.grad_guard import raw_grad
 from parts.partition.construction.construct import drop_forward_check, restore_forward_check
 from parts.partition.interop.convert import install_apply, remove_apply
@@ -101,6 +101,8 @@ class FetchCoordinator:
     at the start of every step in train mode and of the first other step after one
     (``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
     """
+
+    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
 
     def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
                  max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,

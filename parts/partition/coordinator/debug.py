@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
-from parts.comm import GroupArg, all_gather, group_info
+from parts.comm import GroupArg, WeakGroup, all_gather, group_info
 from parts.partition.coordinator.step import StepState
 
 __all__ = ["RankDivergence", "DebugPoint", "encode", "decode", "divergence_message", "ids_digest",
@@ -145,6 +145,8 @@ class StepCheck:
     Every piece of the coordinator that issues a collective calls ``point`` first, with the
     step it belongs to; the step's event counter ``seq`` advances with each point.
     """
+
+    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
 
     def __init__(self, enabled: bool, names: Sequence[str], group: GroupArg) -> None:
         self.enabled, self.names, self.group = enabled, names, group

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
-from parts.comm import GroupArg
+from parts.comm import GroupArg, WeakGroup
 from parts._compat import in_backward
 from parts.partition.coordinator.plan import Knobs, choose_evictions, collective_bytes, keep_after_use
 from parts.partition.coordinator.stats import StepCounters
@@ -39,6 +39,8 @@ class LiveSet:
     non-persistent gathered ids and their sizes, ``total`` their sum; ``pool``: freed storage
     kept for the next gathers (None with ``cache_freed_storage=False``).
     """
+
+    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
 
     def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, counters: StepCounters) -> None:
         self.table, self.knobs, self.group, self.counters = table, knobs, group, counters

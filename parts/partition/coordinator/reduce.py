@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parts.comm import GroupArg, Waitable, comm_counter
+from parts.comm import GroupArg, Waitable, WeakGroup, comm_counter
 from parts.partition.coordinator.debug import StepCheck
 from parts.partition.coordinator.flat import FlatReduce, reduce_counted
 from parts.partition.coordinator.plan import Knobs
@@ -30,6 +30,8 @@ __all__ = ["GradReducer"]
 
 class GradReducer:
     """Buckets of complete full grads and the reduce-scatters in flight of one coordinator."""
+
+    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
 
     def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, check: StepCheck,
                  counters: StepCounters, reduce_dtype: torch.dtype = torch.float32,
