@@ -1,16 +1,22 @@
 """Run by test_reliability_exit.py under torchrun: a short parts training run, then
 ``destroy_process_group``; exits 3 if gloo's threads outlive the process group (issue 21 row 3).
 
-Before the fix, an attached model and its optimizer formed reference cycles through C++ hooks
-(and a lookup whose values held its keys) that Python never freed: the process group and its
-gloo threads ran on through interpreter teardown, where exit sometimes aborted with
-``terminate called without an active exception``.
+``keep`` (the user's shape): the model, coordinator and optimizer are still alive at
+``destroy_process_group`` (no ``del``, no ``gc.collect()``), right after a collective. Before
+the fix every parts object held the group strongly, so the group and its gloo workers lived
+into interpreter teardown; a worker still releasing the last collective's tensors there took
+the GIL, was ended by ``pthread_exit`` and aborted the process (``terminate called without an
+active exception``). Now parts holds groups weakly and ``destroy_process_group`` joins them.
+
+``drop``: the objects are dropped and collected before ``destroy_process_group``; exits 4 if
+one is never freed (the reference cycles through hooks held in C++ of the earlier fix).
 """
 
 import gc
 import os
 import sys
 import warnings
+import weakref
 from datetime import timedelta
 
 warnings.filterwarnings("ignore", "Failed to initialize NumPy")
@@ -27,12 +33,13 @@ def native_threads() -> list[str]:
     return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
 
 
-def train() -> None:
-    """Attach, two steps of BF16Optimizer, a consolidated state dict: every parts collective kind."""
+def train() -> tuple:
+    """Attach, two steps of BF16Optimizer, a consolidated state dict: every parts collective
+    kind, the last one just before returning. Returns (model, coordinator, optimizer)."""
     torch.manual_seed(0)
     with partitioned():
         model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    attach(model, persistence_threshold=0)
+    coordinator = attach(model, persistence_threshold=0)
     optimizer = BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), allow_fp32=True)
     for _ in range(2):
         model(torch.randn(8, 32)).pow(2).mean().backward()
@@ -40,17 +47,31 @@ def train() -> None:
         optimizer.zero_grad()
     full_state_dict(model)
     optimizer.consolidated_state_dict()
+    return model, coordinator, optimizer
 
 
-def main() -> None:
+def report(mode: str) -> int:
+    """Print the gloo threads left after ``destroy_process_group``; 3 if any."""
+    left = [name for name in native_threads() if "gloo" in name]
+    print(f"rank {os.environ.get('RANK')} ({mode}): gloo threads after destroy_process_group: {left}", flush=True)
+    return 3 if left else 0
+
+
+def main(mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    train()
+    model, coordinator, optimizer = train()
+    if mode == "keep":
+        dist.destroy_process_group()
+        sys.exit(report(mode))  # model, coordinator and optimizer still alive here
+    refs = [weakref.ref(obj) for obj in (model, coordinator, optimizer)]
+    del model, coordinator, optimizer
     gc.collect()
     dist.destroy_process_group()
-    left = [name for name in native_threads() if "gloo" in name]
-    print(f"rank {os.environ.get('RANK')}: gloo threads after destroy_process_group: {left}", flush=True)
-    sys.exit(3 if left else 0)
+    leaked = [type(ref()).__name__ for ref in refs if ref() is not None]
+    if leaked:
+        print(f"rank {os.environ.get('RANK')}: never freed: {leaked}", flush=True)
+    sys.exit(report(mode) or (4 if leaked else 0))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "keep")
