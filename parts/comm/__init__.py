@@ -22,7 +22,7 @@ from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, chec
 from parts.comm.work import Waitable, Work, WorkList
 
 __all__ = [
-    "ProcessGroup", "GroupArg", "GroupInfo", "resolve_group", "group_info", "check_member", "is_member",
+    "ProcessGroup", "GroupArg", "GroupInfo", "WeakGroup", "resolve_group", "group_info", "check_member", "is_member",
     "require_distributed", "is_distributed", "global_rank", "env_world_size",
     "CommCounter", "comm_counter", "wire_bytes",
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
