@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from harness import run
-from parts.comm import (ReduceOp, all_gather, all_reduce, comm_counter, group_info, reduce_scatter,
-                        resolve_group, wire_bytes)
+from parts.comm import (GroupInfo, ReduceOp, WeakGroup, all_gather, all_reduce, comm_counter, group_info,
+                        reduce_scatter, resolve_group, wire_bytes)
 
 
 def test_wire_bytes_convention():
@@ -24,6 +24,29 @@ def test_not_distributed_is_a_world_of_one(monkeypatch):
     with pytest.raises(RuntimeError, match="test: WORLD_SIZE=2"):
         resolve_group(None, "test")
     assert group_info(None).world_size == 1  # lenient: no launcher check
+
+
+class _Group:
+    """Stands for a process group (weakly referenceable, as torch's are)."""
+
+
+class _Holder:
+    group = WeakGroup()
+
+
+def test_weak_group_does_not_keep_the_group_alive_and_names_itself_once_gone():
+    holder, group = _Holder(), _Group()
+    holder.group = group
+    assert holder.group is group
+    del group  # what destroy_process_group does to torch's own reference
+    with pytest.raises(RuntimeError, match="_Holder.group: its process group was destroyed"):
+        _ = holder.group
+    holder.group = None  # None (the default group) stays None
+    assert holder.group is None and _Holder().group is None
+    info, kept = GroupInfo(_Group(), 1, 2), _Group()
+    with pytest.raises(RuntimeError, match="GroupInfo.group"):
+        _ = info.group
+    assert GroupInfo(kept, 1, 2) == GroupInfo(kept, 1, 2) and GroupInfo().world_size == 1
 
 
 def _delta(before, key):
