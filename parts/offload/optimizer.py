@@ -97,7 +97,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self.grad_scale: Optional[torch.Tensor] = None  # multiplies grads read from the store
         self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
-        self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (one step)
+        self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (kept across steps)
         self.across_steps = across_steps
         self._behind: Optional[_Batch] = None  # the last step's last chunk's writes, in flight
         self._ahead: Optional[_Batch] = None  # the next step's first chunk's state, being read
@@ -180,10 +180,10 @@ class OffloadedOptimizer(OptimizerWrapper):
         try:
             self._run_pipeline(chunks)
             if not self.across_steps:
-                self.settle()
+                self._settle()
         finally:
             carried = [] if self._behind is None else self._behind.keep
-            self.spares.clear(carried + ([] if self._ahead is None else self._ahead.keep))
+            self.spares.forget(carried + ([] if self._ahead is None else self._ahead.keep))
 
     def _run_pipeline(self, chunks: list[list[torch.Tensor]]) -> None:
         writing, self._behind = self._behind, None
@@ -212,14 +212,21 @@ class OffloadedOptimizer(OptimizerWrapper):
 
     def settle(self) -> None:
         """Wait for the writes a step left behind and drop the reads it started ahead (after this,
-        the store holds all state and nothing of it is in flight); raises a failed write's error."""
+        the store holds all state and nothing of it is in flight) and free the spare buffers;
+        raises a failed write's error."""
+        try:
+            self._settle()
+        finally:
+            self.spares.clear()
+
+    def _settle(self) -> None:
+        """``settle`` without freeing the spares (a step within steps keeps them for the next)."""
         behind, ahead, self._behind, self._ahead = self._behind, self._ahead, None, None
         try:
             if behind is not None:
                 behind.finish()
         finally:
             _discard(ahead, self.spares)
-            self.spares.clear()
 
     def _read(self, chunk: list[torch.Tensor], state: bool = True, rest: bool = True,
               batch: Optional[_Batch] = None) -> _Batch:
