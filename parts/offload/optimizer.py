@@ -158,7 +158,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         try:
             self._run_pipeline(chunks)
             if not self.across_steps:
-                self._settle()
+                self.settle()
         finally:
             carried = [] if self._behind is None else self._behind.keep
             self.spares.forget(carried + [t for batch in self._ahead for t in batch.keep])
@@ -198,15 +198,8 @@ class OffloadedOptimizer(OptimizerWrapper):
 
     def settle(self) -> None:
         """Wait for the writes a step left behind and drop the reads it started ahead (after this,
-        the store holds all state and nothing of it is in flight) and free the spare buffers;
-        raises a failed write's error."""
-        try:
-            self._settle()
-        finally:
-            self.spares.clear()
-
-    def _settle(self) -> None:
-        """``settle`` without freeing the spares (a step within steps keeps them for the next)."""
+        the store holds all state and nothing of it is in flight); raises a failed write's error.
+        The spare buffers stay for the next step (``spares.clear()`` frees them)."""
         behind, self._behind = self._behind, None
         try:
             if behind is not None:
