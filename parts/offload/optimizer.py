@@ -17,10 +17,10 @@ forward and backward. The three-chunk bound holds: with a chunk of ``c`` bytes o
 ``g`` grad, ``p`` parameter and ``s`` state, the most held is while the next step reads
 its first two chunks' parameters and grads: ``(c - g)`` behind + ``2 s`` ahead + ``2 (p + g)``
 = ``3c - g`` (a third chunk ahead would add ``s``). The next ``step()`` takes them over
-(reads ahead of other chunks than its first are dropped); ``settle()`` waits for the writes and drops the reads ahead; the
-state dicts and every change of state outside ``step()`` (``load_state_dict``, ``write_state``,
-``clear_state``) settle first; a lone read of a key waits for its write (the store's per-key
-order). A parked value whose write is behind stays loaded until it is done: ``parking.drop``
+(reads ahead of other chunks than its first are dropped); ``settle()`` waits for the writes
+and drops the reads ahead; the state dicts and every change of state outside ``step()``
+(``load_state_dict``, ``write_state``, ``clear_state``) settle first; a lone read of a key
+waits for its write (the store's per-key order). A parked value whose write is behind stays loaded until it is done: ``parking.drop``
 and ``parking.load`` wait for that write.
 
 The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
@@ -39,10 +39,10 @@ import torch
 
 from parts.base.wrapper import OptimizerWrapper
 from parts.offload import parking
+from parts.offload._batch import Batch as _Batch, discard as _discard
 from parts.offload.lease import Stored
 from parts.offload.plan import plan_chunks
 from parts.offload.spares import Spares
-from parts.offload._batch import Batch as _Batch, discard as _discard
 from parts.offload.store import DiskStore
 
 __all__ = ["OffloadedOptimizer"]
@@ -77,6 +77,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
         self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (kept across steps)
         self.across_steps = across_steps
+        self.ahead_chunks = AHEAD_CHUNKS  # at most AHEAD_CHUNKS: the memory bound
         self._behind: Optional[_Batch] = None  # the last step's last chunk's writes, in flight
         self._ahead: list[_Batch] = []  # the next step's first chunks' state, being read
         self._patch_step_function()
@@ -179,7 +180,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         self._behind = writing
         self._drop_ahead()  # reads ahead of chunks this step did not have
         if self.across_steps:  # the next step's first chunks are most likely this one's
-            self._ahead = [self._read(chunk, state=True, rest=False) for chunk in chunks[:AHEAD_CHUNKS]]
+            self._ahead = [self._read(chunk, state=True, rest=False) for chunk in chunks[:self.ahead_chunks]]
 
     def _reads(self, chunk: list[torch.Tensor]) -> _Batch:
         """The reads of a chunk: its state read ahead (if the next batch ahead is this chunk's), the rest now."""

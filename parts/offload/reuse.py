@@ -68,7 +68,7 @@ class Reuse:
         self.held_bytes = 0
 
     def _take(self, nbytes: int) -> Optional[torch.UntypedStorage]:
-        for key, block in self._free.items():  # few blocks: a linear scan, newest sizes last
+        for key, block in self._free.items():  # a few dozen blocks at most: a linear scan, oldest first
             if block.nbytes() == nbytes:
                 del self._free[key]
                 self.held_bytes -= nbytes
