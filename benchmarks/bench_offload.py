@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="measured steps per system (after 1 warm-up)")
+    ap.add_argument("--reuse-bytes", type=int, default=64 << 20,
+                    help="the store's reuse_bytes (memory of dropped shards kept for their next loads; 0: none)")
     ap.add_argument("--within-step", action="store_true",
                     help="offloaded optimizer's pipeline within each step only (across_steps=False)")
     return ap.parse_args()
@@ -178,7 +180,7 @@ def setup() -> tuple[int, int]:
 def main() -> None:
     args = parse_args()
     rank, world = setup()
-    store = DiskStore(os.path.join(args.store, f"rank{rank}"))
+    store = DiskStore(os.path.join(args.store, f"rank{rank}"), reuse_bytes=args.reuse_bytes)
     nbytes = int(args.raw_gib * GiB)
     load0, cpu0, wall0 = os.getloadavg(), time.process_time(), time.perf_counter()
     raw_before = raw_pair(store, nbytes, rank)
@@ -214,7 +216,7 @@ def report(args, store, raws, rows, world, loads, wall) -> None:
     psi = count_params(GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=layers,
                                  n_head=heads, n_embd=width))
     print(f"store: {store.mode}, {store.threads} IO threads, {store.block_bytes >> 20} MiB blocks, "
-          f"{store.max_inflight_bytes >> 20} MiB in flight")
+          f"{store.max_inflight_bytes >> 20} MiB in flight, {store.reuse.capacity >> 20} MiB reuse")
     for when, (solo, both) in zip(("before", "after"), raws):
         print(f"raw sequential {when} training, {args.raw_gib:g} GiB file: rank 0 alone write {solo[0]:.2f} "
               f"read {solo[1]:.2f} GB/s; {world} ranks at once, per rank: write "

@@ -21,7 +21,7 @@ D, LAYERS, ROWS = 512, 64, 8
 LAYER = D * D + D
 KNOBS = dict(prefetch_bucket_size=LAYER, max_live_parameters=2 * LAYER, persistence_threshold=D,
              reduce_bucket_size=LAYER, max_reuse_distance=0)
-STORE = dict(threads=2, block_bytes=1 << 20, max_inflight_bytes=4 << 20)
+STORE = dict(threads=2, block_bytes=1 << 20, max_inflight_bytes=4 << 20, reuse_bytes=4 << 20)
 CHUNK = 4 << 20
 
 
@@ -62,6 +62,7 @@ def main(path: str) -> None:
     store.close()
     budget = OffloadBudget(itemsize=4, world_size=1, chunk_bytes=CHUNK, store_threads=STORE["threads"],
                            block_bytes=STORE["block_bytes"], max_inflight_bytes=STORE["max_inflight_bytes"],
+                           reuse_bytes=STORE["reuse_bytes"],
                            read_ahead=2 * LAYER, largest_step_bytes=4 * 4 * D * D,
                            **{k: KNOBS[k] for k in ("max_live_parameters", "prefetch_bucket_size",
                                                     "reduce_bucket_size")})

@@ -10,8 +10,8 @@ from parts.offload import OffloadBudget, memory_bound
 def test_bound_adds_the_terms():
     b = OffloadBudget(max_live_parameters=10, prefetch_bucket_size=5, itemsize=4, world_size=2,
                       chunk_bytes=100, store_threads=2, block_bytes=8, max_inflight_bytes=50,
-                      reduce_bucket_size=3, read_ahead=7, largest_step_bytes=160)
-    assert memory_bound(b, activations=11) == 60 + 16 + 480 + 66 + 24 + (16 + 480 + 24) // 16 + 11
+                      reuse_bytes=9, reduce_bucket_size=3, read_ahead=7, largest_step_bytes=160)
+    assert memory_bound(b, activations=11) == 60 + 16 + 480 + 75 + 24 + (16 + 480 + 24) // 16 + 11
 
 
 def test_peak_rss_growth_under_bound(tmp_path):

@@ -12,6 +12,7 @@ from torch import nn
 from harness import run
 from parts.offload import DiskStore, OffloadedOptimizer, plan_chunks
 from parts.offload import parking
+from parts.offload.optimizer import AHEAD_CHUNKS
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -167,19 +168,22 @@ def test_two_optimizers_on_one_prefix_of_a_store_raise(tmp_path):
 @pytest.mark.parametrize("across_steps", [False, True])
 def test_later_chunks_read_into_the_buffers_of_finished_ones(tmp_path, across_steps):
     """Eight 64 KiB layers, one per chunk: from the fourth chunk on, a chunk's AdamW state is read
-    into the buffers chunk k-3 gave back (its writes done), so a step allocates three chunks'
-    buffers, not eight; the result stays bitwise the plain optimizer's. Across steps, the next
-    step's first chunk is read ahead into spares too (2 more), and from the third step on chunk
-    2 reads into the buffers of the last step's writes behind (2 more): only chunk 1 is fresh."""
+    into the buffers chunk k-3 gave back (its writes done), and the spares stay from one step to
+    the next, so from the third step on every state read lands in memory touched before (step 1
+    reads no state; in step 2 the first three chunks' reads are fresh, less the chunks read ahead
+    into spares across steps). Spares plus buffers lent never exceed three chunks'
+    state; the result stays bitwise the plain optimizer's."""
     torch.manual_seed(0)
     ref = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(8)])
     off = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    layer = 128 * 128 * 4
     with DiskStore(tmp_path) as store:
         opt = OffloadedOptimizer(torch.optim.AdamW(off.parameters(), lr=1e-2), store,
-                                 chunk_bytes=4 * 128 * 128 * 4, across_steps=across_steps)
-        reused = []
-        for step in range(3):
+                                 chunk_bytes=4 * layer, across_steps=across_steps)
+        reused, held = [], []
+        opt.after_step.append(lambda chunk: held.append(opt.spares.held_bytes))
+        for step in range(4):
             for model, o in ((ref, ref_opt), (off, opt)):
                 g = torch.Generator().manual_seed(step)
                 model(torch.randn(4, 128, generator=g)).square().mean().backward()
@@ -187,9 +191,14 @@ def test_later_chunks_read_into_the_buffers_of_finished_ones(tmp_path, across_st
                 o.step()
                 o.zero_grad()
             reused.append(opt.spares.reused - before)
-            assert opt.spares.spare_bytes == 0  # no spare kept between steps (only buffers in use)
-        carried = 2 if across_steps else 0
-        assert reused == [0, 2 * (8 - 3) + carried, 2 * (8 - 3) + 2 * carried]  # step 1 reads no state
+            assert 0 < opt.spares.held_bytes <= 3 * 2 * layer or step == 0
+        carried = 2 * AHEAD_CHUNKS if across_steps else 0
+        assert reused == [0, 2 * (8 - 3) + carried, 2 * 8, 2 * 8]
+        assert max(held) <= 3 * 2 * layer  # inside the steps too (after each chunk's step)
+        opt.settle()  # waits the writes behind, drops the reads ahead: what they held is spare now
+        assert opt.spares.held_bytes == opt.spares.spare_bytes <= 3 * 2 * layer
+        opt.spares.clear()
+        assert opt.spares.held_bytes == 0
         for a, b in zip(ref.parameters(), off.parameters()):
             assert torch.equal(a, b)
         for p, q in zip(ref.parameters(), off.parameters()):

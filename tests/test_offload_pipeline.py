@@ -44,7 +44,7 @@ def _in_flight(opt: OffloadedOptimizer, params) -> tuple[int, int]:
     """(parked values whose write step() left behind, state reads it started ahead); whether
     they are still in flight now depends on the machine's load, so not asserted."""
     behind = sum(1 for p in params if parking.parked(p).saving is not None)
-    ahead = 0 if opt._ahead is None else len(opt._ahead.handles)
+    ahead = sum(len(batch.handles) for batch in opt._ahead)
     return behind, ahead
 
 
@@ -105,7 +105,7 @@ def test_reads_ahead_of_a_chunk_the_next_step_skips_are_dropped(tmp_path):
                 model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).square().mean().backward()
                 if step == 2:
                     model[0].weight.grad = None
-                ahead = opt._ahead.params if opt._ahead is not None else None
+                ahead = opt._ahead[0].params if opt._ahead else None
                 o.step()
                 o.zero_grad()
             # read ahead: nothing before the first step; chunk (w0,) after steps 0, 1; after step

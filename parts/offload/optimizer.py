@@ -12,13 +12,15 @@ writes finished, so at most three chunks are held.
 
 The pipeline runs across steps (``across_steps=True``, the default): ``step()`` returns with
 the last chunk's writes still in flight (*behind*) and the state of the next step's first
-chunk being read (*ahead*: state does not depend on grads), so both run during the next
-forward and backward. Between steps at most two chunks are held (behind and ahead), so the
-three-chunk bound holds. The next ``step()`` takes both over (reads ahead of another chunk
-than its first are dropped); ``settle()`` waits for the writes and drops the reads ahead; the
-state dicts and every change of state outside ``step()`` (``load_state_dict``, ``write_state``,
-``clear_state``) settle first; a lone read of a key waits for its write (the store's per-key
-order). A parked value whose write is behind stays loaded until it is done: ``parking.drop``
+two chunks being read (*ahead*: state does not depend on grads), so both run during the next
+forward and backward. The three-chunk bound holds: with a chunk of ``c`` bytes of which
+``g`` grad, ``p`` parameter and ``s`` state, the most held is while the next step reads
+its first two chunks' parameters and grads: ``(c - g)`` behind + ``2 s`` ahead + ``2 (p + g)``
+= ``3c - g`` (a third chunk ahead would add ``s``). The next ``step()`` takes them over
+(reads ahead of other chunks than its first are dropped); ``settle()`` waits for the writes
+and drops the reads ahead; the state dicts and every change of state outside ``step()``
+(``load_state_dict``, ``write_state``, ``clear_state``) settle first; a lone read of a key
+waits for its write (the store's per-key order). A parked value whose write is behind stays loaded until it is done: ``parking.drop``
 and ``parking.load`` wait for that write.
 
 The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
@@ -37,41 +39,17 @@ import torch
 
 from parts.base.wrapper import OptimizerWrapper
 from parts.offload import parking
+from parts.offload._batch import Batch as _Batch, discard as _discard
 from parts.offload.lease import Stored
 from parts.offload.plan import plan_chunks
 from parts.offload.spares import Spares
-from parts.offload.store import DiskStore, IOHandle
+from parts.offload.store import DiskStore
 
 __all__ = ["OffloadedOptimizer"]
 
-
-class _Batch:
-    """The reads (or writes) of one chunk and what to do once they are done (``keep``: tensors
-    the writes read from, given back to ``spares`` if any)."""
-
-    def __init__(self, spares: Optional[Spares] = None, params: tuple[int, ...] = ()) -> None:
-        self.params = params  # ids of the chunk's parameters
-        self.handles: list[IOHandle] = []
-        self.after: list[Callable[[], None]] = []
-        self.keep: list[torch.Tensor] = []
-        self.spares = spares
-
-    def finish(self) -> None:
-        for h in self.handles:
-            h.wait()
-        for fn in self.after:
-            fn()
-        if self.spares is not None:
-            for t in self.keep:
-                self.spares.give(t)
-        self.handles, self.after, self.keep = [], [], []
-
-
-def _discard(batch: Optional[_Batch], spares: Spares) -> None:
-    """Wait for a batch of reads and give its buffers back to ``spares`` (nothing installed)."""
-    if batch is not None:
-        batch.after, batch.spares = [], spares
-        batch.finish()
+AHEAD_CHUNKS = 2
+"""Chunks whose state a step reads ahead for the next one: the most within three chunks (see
+the module docstring)."""
 
 
 class OffloadedOptimizer(OptimizerWrapper):
@@ -97,10 +75,11 @@ class OffloadedOptimizer(OptimizerWrapper):
         self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
         self.grad_scale: Optional[torch.Tensor] = None  # multiplies grads read from the store
         self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
-        self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (one step)
+        self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (kept across steps)
         self.across_steps = across_steps
+        self.ahead_chunks = AHEAD_CHUNKS  # at most AHEAD_CHUNKS: the memory bound
         self._behind: Optional[_Batch] = None  # the last step's last chunk's writes, in flight
-        self._ahead: Optional[_Batch] = None  # the next step's first chunk's state, being read
+        self._ahead: list[_Batch] = []  # the next step's first chunks' state, being read
         self._patch_step_function()
         self._offload_all()
 
@@ -183,14 +162,14 @@ class OffloadedOptimizer(OptimizerWrapper):
                 self.settle()
         finally:
             carried = [] if self._behind is None else self._behind.keep
-            self.spares.clear(carried + ([] if self._ahead is None else self._ahead.keep))
+            self.spares.forget(carried + [t for batch in self._ahead for t in batch.keep])
 
     def _run_pipeline(self, chunks: list[list[torch.Tensor]]) -> None:
         writing, self._behind = self._behind, None
-        reading = self._first_reads(chunks[0]) if chunks else None
+        reading = self._reads(chunks[0]) if chunks else None
         for k, chunk in enumerate(chunks):
             current = reading
-            reading = self._read(chunks[k + 1]) if k + 1 < len(chunks) else None
+            reading = self._reads(chunks[k + 1]) if k + 1 < len(chunks) else None
             current.finish()
             self._step_only(chunk)
             for hook in self.after_step:
@@ -199,27 +178,35 @@ class OffloadedOptimizer(OptimizerWrapper):
             if previous is not None:
                 previous.finish()
         self._behind = writing
-        if chunks and self.across_steps:  # the next step's first chunk is most likely this one's
-            self._ahead = self._read(chunks[0], state=True, rest=False)
+        self._drop_ahead()  # reads ahead of chunks this step did not have
+        if self.across_steps:  # the next step's first chunks are most likely this one's
+            self._ahead = [self._read(chunk, state=True, rest=False) for chunk in chunks[:self.ahead_chunks]]
 
-    def _first_reads(self, chunk: list[torch.Tensor]) -> _Batch:
-        """The reads of a step's first chunk: its state read ahead (if that was this chunk), the rest now."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.params == tuple(map(id, chunk)):
-            return self._read(chunk, state=False, rest=True, batch=ahead)
-        _discard(ahead, self.spares)  # another chunk (other grads this step): read again in its turn
+    def _reads(self, chunk: list[torch.Tensor]) -> _Batch:
+        """The reads of a chunk: its state read ahead (if the next batch ahead is this chunk's), the rest now."""
+        ids = tuple(map(id, chunk))
+        while self._ahead:
+            ahead = self._ahead.pop(0)
+            if ahead.params == ids:
+                return self._read(chunk, state=False, rest=True, batch=ahead)
+            _discard(ahead, self.spares)  # another chunk (other grads this step): read again in its turn
         return self._read(chunk)
+
+    def _drop_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, []
+        for batch in ahead:
+            _discard(batch, self.spares)
 
     def settle(self) -> None:
         """Wait for the writes a step left behind and drop the reads it started ahead (after this,
-        the store holds all state and nothing of it is in flight); raises a failed write's error."""
-        behind, ahead, self._behind, self._ahead = self._behind, self._ahead, None, None
+        the store holds all state and nothing of it is in flight); raises a failed write's error.
+        The spare buffers stay for the next step (``spares.clear()`` frees them)."""
+        behind, self._behind = self._behind, None
         try:
             if behind is not None:
                 behind.finish()
         finally:
-            _discard(ahead, self.spares)
-            self.spares.clear()
+            self._drop_ahead()
 
     def _read(self, chunk: list[torch.Tensor], state: bool = True, rest: bool = True,
               batch: Optional[_Batch] = None) -> _Batch:

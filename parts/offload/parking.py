@@ -133,12 +133,13 @@ def empty_for_io(shape: torch.Size | tuple, dtype: torch.dtype,
 
 
 def _refill(t: torch.Tensor, record: Parked) -> None:
-    """Give parked ``t``'s empty storage room for its bytes, starting ``ALIGN``-aligned if
+    """Give parked ``t``'s empty storage room for its bytes (memory a drop left in the store's
+    ``reuse`` if it kept a block of that size), starting ``ALIGN``-aligned if
     ``worth_aligning`` (the storage is ``ALIGN`` bytes longer and ``t`` starts inside it, so
     direct IO needs no copy; ``set_`` moves its start, which bumps its version counter)."""
     storage = t.untyped_storage()
     extra = ALIGN if worth_aligning(record.nbytes) else 0
-    storage.resize_(record.nbytes + extra)
+    record.store.reuse.fill(storage, record.nbytes + extra)
     skip = (-storage.data_ptr()) % ALIGN
     offset = skip // t.element_size() if extra and skip % t.element_size() == 0 else 0
     if offset != t.storage_offset():
@@ -168,18 +169,19 @@ def load(t: torch.Tensor) -> None:
         try:
             pending.wait()
         except BaseException:
-            t.untyped_storage().resize_(0)
+            record.store.reuse.give(t.untyped_storage())
             raise
         record.resident = True
 
 
 def drop(t: torch.Tensor) -> None:
-    """Empty ``t``'s storage (its bytes stay in the store); waits a read or a write in flight first."""
+    """Empty ``t``'s storage (its bytes stay in the store; its memory goes to the store's ``reuse``);
+    waits a read or a write in flight first."""
     record = parked(t)
     if record.pending is not None:
         load(t)
     _wait_save(record)
-    t.untyped_storage().resize_(0)
+    record.store.reuse.give(t.untyped_storage())
     record.resident = False
 
 

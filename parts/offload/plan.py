@@ -9,10 +9,13 @@ Memory bound (bytes one rank holds above its baseline during an offloaded ZeRO-3
     shard buffers      read_ahead * itemsize / world           shards read ahead, awaiting their gather
     optimizer          3 * max(chunk_bytes, largest)           chunks being read, stepped, written
                                                                (between steps: the last chunk's writes
-                                                               behind, the next first chunk's state ahead)
+                                                               behind, the next first chunk's state ahead,
+                                                               spare buffers for the next step's reads)
                                                                (a parameter whose own bytes, grad and
                                                                state exceed chunk_bytes is one chunk)
-    store              threads * block_bytes + max_inflight    bounce buffers, transfers queued (a
+    store              threads * block_bytes + max_inflight    bounce buffers, transfers queued, memory
+                       + reuse_bytes                           of dropped parked tensors kept for their
+                                                               next loads (``DiskStore.reuse``) (a
                                                                thread's bounce buffer is 4 KiB while every
                                                                transfer it ran was aligned; it grows to a
                                                                block at the first unaligned one: a fresh
@@ -62,6 +65,7 @@ class OffloadBudget:
     store_threads: int
     block_bytes: int
     max_inflight_bytes: int
+    reuse_bytes: int  # the store's ``reuse_bytes``
     reduce_bucket_size: int
     read_ahead: int = 0  # elements of full parameters whose shards are read ahead
     largest_step_bytes: int = 0  # the largest parameter's bytes + grad + state (one chunk alone)
@@ -72,7 +76,7 @@ def memory_bound(b: OffloadBudget, activations: int = 0) -> int:
     live = (b.max_live_parameters + b.prefetch_bucket_size) * b.itemsize
     shards = -(-b.read_ahead // max(b.world_size, 1)) * b.itemsize
     optimizer = 3 * max(b.chunk_bytes, b.largest_step_bytes)
-    store = b.store_threads * b.block_bytes + b.max_inflight_bytes
+    store = b.store_threads * b.block_bytes + b.max_inflight_bytes + b.reuse_bytes
     grads = 2 * b.reduce_bucket_size * 4
     alignment = (shards + optimizer + grads) // 16
     return live + shards + optimizer + store + grads + alignment + activations

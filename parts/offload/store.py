@@ -13,6 +13,8 @@ tensors and the optimizer's buffers are) is moved without a copy; only unaligned
 copied through a bounce buffer. Memory the store itself holds: one aligned bounce buffer
 per IO thread in direct mode, ``ALIGN`` bytes while every transfer is aligned, up to
 ``block_bytes`` once one is not; nothing in buffered mode; the store never maps its files.
+Beside that, ``reuse`` (``parts.offload.reuse``) keeps up to ``reuse_bytes`` of the memory
+of parked tensors it dropped, for the next load of that size (no page faults in the read).
 
 Ordering: operations on one key run in submission order (a read after a write returns the
 written bytes; a read after a failed write raises). A write must not have its source
@@ -39,6 +41,7 @@ from parts.offload import _fileio
 from parts.offload._fileio import ALIGN, DiskFullError, round_up
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
+from parts.offload.reuse import Reuse
 
 __all__ = ["DiskStore", "IOHandle", "StoreStats", "DiskFullError"]
 
@@ -93,12 +96,13 @@ class DiskStore:
     """One rank's scratch store of tensors in files under ``path``; see the module docstring."""
 
     def __init__(self, path: str, *, threads: int = 4, max_inflight_bytes: int = 256 << 20,
-                 block_bytes: int = 8 << 20, direct: Optional[bool] = None) -> None:
+                 block_bytes: int = 8 << 20, direct: Optional[bool] = None, reuse_bytes: int = 64 << 20) -> None:
         if threads < 1 or max_inflight_bytes < 1:
             raise ValueError(f"DiskStore: threads and max_inflight_bytes must be >= 1, got "
                              f"{threads} and {max_inflight_bytes}")
         if block_bytes < ALIGN or block_bytes % ALIGN:
             raise ValueError(f"DiskStore: block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
+        reuse = Reuse(reuse_bytes)
         self.path = os.path.abspath(os.fspath(path))
         self.directory = _scratch_dir(self.path)
         self._queue = IOQueue(threads, "parts-offload")
@@ -111,6 +115,7 @@ class DiskStore:
         self.direct = can if direct is None else bool(direct)
         self.threads, self.block_bytes, self.max_inflight_bytes = threads, block_bytes, max_inflight_bytes
         self.stats = StoreStats()
+        self.reuse = reuse  # memory of dropped parked tensors, for their next loads
         self._meter = Meter(self.stats)
         self._index: dict[str, _Entry] = {}
         self._files = 0  # files ever created (names are never reused)
@@ -186,6 +191,7 @@ class DiskStore:
             if entry.last is not None:
                 entry.last.finished.wait()
         self._index.clear()
+        self.reuse.clear()
         self._finalizer()
         self._queue.join()
 
@@ -221,7 +227,8 @@ class DiskStore:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{len(self._index)} keys, {self.used_bytes / 2**20:.1f} MiB"
         return (f"DiskStore({self.directory!r}, {self.mode}, {state}, threads={self.threads}, "
-                f"max_inflight_bytes={self.max_inflight_bytes}, block_bytes={self.block_bytes})")
+                f"max_inflight_bytes={self.max_inflight_bytes}, block_bytes={self.block_bytes}, "
+                f"reuse_bytes={self.reuse.capacity})")
 
     def __enter__(self) -> "DiskStore":
         return self
