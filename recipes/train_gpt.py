@@ -12,7 +12,7 @@ shards, so the fp32 shards are the masters and the loss tracks fp32 (issue 15). 
 ``--persistence-threshold`` elements (100,000: the library's and DeepSpeed's default; at the
 default size that is every weight of this 0.83M model) are refreshed once per step in one
 all-gather and stay gathered; larger ones (all of them with ``--persistence-threshold 0``) are
-fetched per block before use and released after it, which here costs ~20% of a step. With ``--checkpoint`` each block runs inside
+fetched per block before use and released after it, which here costs 12-20% of the throughput. With ``--checkpoint`` each block runs inside
 ``parts.checkpoint.checkpoint`` (off by default: recomputing costs this small model ~20% of
 a step and saves little memory), and ``BF16Optimizer(AdamW, allow_fp32=True)`` steps the fp32 shards, clips by the global norm and
 follows a warm-up + cosine schedule. With ``--no-partition`` the replicated fp32 model is cast
@@ -54,7 +54,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def parse_args() -> argparse.Namespace:
     """Every knob is a flag; the defaults (1100 steps of 8 x 128 tokens per rank) train in
-    about three minutes on 2 CPU cores to a validation loss near 1.55 nats/char."""
+    about two and a quarter minutes on 2 CPU cores to a validation loss near 1.55 nats/char."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--data", default=None, help="a text file to train on (default: stdlib sources)")
