@@ -133,6 +133,16 @@ def train_step(model, optimizer, schedule, tokens, gen, args) -> float:
     return mean.item() / dist.get_world_size()
 
 
+@torch.no_grad()
+def batch_loss(model, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Mean over ranks of the loss on ``(x, y)``, without training (a forward in eval mode)."""
+    model.eval()
+    mean = model(x, y).detach().clone()
+    model.train()
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
 def line(step: int, total: int, loss: float, wall: float, io: dict, comm: float, rss: list) -> str:
     bar = "#" * (20 * step // total) + "." * (20 - 20 * step // total)
     compute = max(wall - io["wait"] - comm, 0.0)
@@ -176,6 +186,7 @@ def main() -> None:
         print(f"built in {report.clock(built)}; RSS {snapshot().rss_bytes / 2**20:.0f} MiB on rank 0", flush=True)
     tokens, _ = load_splits(None)
     gen = torch.Generator().manual_seed(args.seed + rank)
+    first_batch = batch(tokens, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed + rank))
     timer, losses = CommTimer(), []
     for step in range(1, args.steps + 1):
         before, comm0, t0 = store.stats.snapshot(), timer.seconds, time.perf_counter()
@@ -185,12 +196,14 @@ def main() -> None:
         if rank == 0:
             print(line(step, args.steps, losses[-1], wall, io_delta(store, before), timer.seconds - comm0, rss),
                   flush=True)
+    again = batch_loss(model, *first_batch)  # each step's batch is new: 16 tokens are a noisy sample
     peaks = all_gather_objects(snapshot().peak_rss_bytes)
     usage = resource.getrusage(resource.RUSAGE_SELF)  # this rank, all its threads (IO included)
     cpu = all_gather_objects((usage.ru_utime, usage.ru_stime))
     if rank == 0:
         print(report.table([("model", f"{args.params} ({psi / 1e9:.2f} B params), world {world}"),
                             ("loss first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"),
+                            ("step 1's batch: loss before -> after training", f"{losses[0]:.4f} -> {again:.4f}"),
                             ("peak RSS per rank", ", ".join(f"{p / GiB:.2f} GiB" for p in peaks)),
                             ("store per rank", f"{store.used_bytes / GiB:.1f} GiB ({store.mode})"),
                             ("CPU time per rank (user + sys)",
