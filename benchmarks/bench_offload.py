@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -66,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3, help="measured steps per system (after 1 warm-up)")
     ap.add_argument("--reuse-bytes", type=int, default=64 << 20,
                     help="the store's reuse_bytes (memory of dropped shards kept for their next loads; 0: none)")
+    ap.add_argument("--after-backward", action="store_true",
+                    help="step the offloaded optimizer after backward, not during it (step_in_backward)")
     ap.add_argument("--within-step", action="store_true",
                     help="offloaded optimizer's pipeline within each step only (across_steps=False)")
     return ap.parse_args()
@@ -113,7 +116,9 @@ def step(model, opt, tokens, gen, args, store, settle: bool = True) -> dict:
     which also counts their bytes."""
     before = store.stats.snapshot() if store is not None else None
     wall, cpu = time.perf_counter(), time.process_time()
-    model(*batch(tokens, args.batch_size, args.seq_len, gen)).backward()
+    loss = model(*batch(tokens, args.batch_size, args.seq_len, gen))
+    with opt.step_in_backward() if store is not None and not args.after_backward else contextlib.nullcontext():
+        loss.backward()
     mid, opt_wall = store.stats.snapshot() if store is not None else None, time.perf_counter()
     opt.step()
     opt.zero_grad()

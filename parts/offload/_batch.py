@@ -23,6 +23,18 @@ class Batch:
         self.keep: list[torch.Tensor] = []
         self.spares = spares
 
+    @property
+    def done(self) -> bool:
+        """True once every transfer has finished (``finish`` would not wait)."""
+        return all(h.done for h in self.handles)
+
+    def absorb(self, other: "Batch") -> None:
+        """Take over ``other``'s transfers, actions and buffers (finished with this one's)."""
+        self.handles += other.handles
+        self.after += other.after
+        self.keep += other.keep
+        other.handles, other.after, other.keep = [], [], []
+
     def finish(self) -> None:
         """Wait for the transfers, run the ``after`` actions, give the ``keep`` buffers back."""
         for h in self.handles:

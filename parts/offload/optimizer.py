@@ -33,13 +33,16 @@ parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+from functools import partial
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from parts.base.wrapper import OptimizerWrapper
 from parts.offload import parking
 from parts.offload._batch import Batch as _Batch, discard as _discard
+from parts.offload.backward_step import BackwardStep
 from parts.offload.lease import Stored
 from parts.offload.plan import plan_chunks
 from parts.offload.spares import Spares
@@ -80,6 +83,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         self.ahead_chunks = AHEAD_CHUNKS  # at most AHEAD_CHUNKS: the memory bound
         self._behind: Optional[_Batch] = None  # the last step's last chunk's writes, in flight
         self._ahead: list[_Batch] = []  # the next step's first chunks' state, being read
+        self.backward_step = BackwardStep(self, self.step_chunk_bytes)  # step_in_backward's state
         self._patch_step_function()
         self._offload_all()
 
@@ -131,18 +135,71 @@ class OffloadedOptimizer(OptimizerWrapper):
             self.store.delete(self._key(p, name))
 
     # ------------------------------------------------------------------------ stepping
+    @contextlib.contextmanager
+    def step_in_backward(self) -> Iterator[None]:
+        """Inside, each parked parameter is stepped as soon as its grad shard lands during backward
+        (``parts.offload.backward_step``): its grad never goes to the store, and its reads and
+        writes run beside backward's compute. Call ``step()`` after that backward (it steps the
+        rest and finishes); use it around the last micro-batch's backward only. The landed grads
+        are consumed by the step, as if ``zero_grad()`` followed it (grads of earlier micro-batches
+        in the store are added first). Not with ``BF16Optimizer``: its global norm and overflow
+        check need every grad before any parameter steps."""
+        records = self._grad_records()
+        for p, record in records:
+            record.on_grad = partial(self._land, p)
+        try:
+            with torch.no_grad():
+                self.backward_step.read_ahead()
+            yield
+        finally:
+            for _, record in records:
+                record.on_grad = None
+
+    def _grad_records(self) -> list[tuple[torch.Tensor, parking.Parked]]:
+        """(parameter, the record its grads land in) of every parked parameter; raises for masters."""
+        out = []
+        for i, p in enumerate(self._params):
+            record = parking.parked(p)
+            if record is None:
+                continue
+            if record.grad_of is not None or record.on_grad is not None:
+                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: parameter {i} (store key "
+                                   f"{record.key!r}) is a BF16Optimizer master or already inside "
+                                   f"step_in_backward(); a master steps only after the global grad "
+                                   f"norm, so use step_in_backward with fp32 shards (AdamW(shards(model)))")
+            out.append((p, record))
+        return out
+
+    @torch.no_grad()
+    def _land(self, p: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
+        self.backward_step.land(p, grad, accumulate)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        """Step every parameter with a grad, chunk by chunk, state streamed from and to the store."""
+        """Step every parameter with a grad, chunk by chunk, state streamed from and to the store
+        (after ``step_in_backward``: finish the parameters stepped during backward, step the rest)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        early = bool(self.backward_step.landed)
+        if early:
+            self._keep_behind(self.backward_step.finish())
+        self.backward_step.drop_reads()
         active = [p for p in self._params if p.grad is not None or parking.has_grad(p)]
         costs = [self._cost(p) for p in active]
         chunks = [[active[i] for i in run] for run in plan_chunks(costs, self.step_chunk_bytes)]
         self._pipeline(chunks)
+        if early and self.across_steps:
+            self.backward_step.read_ahead()  # the next backward's first landings
         return loss
+
+    def _keep_behind(self, writes: _Batch) -> None:
+        """Add ``writes`` to the writes a step leaves in flight."""
+        if self._behind is None:
+            self._behind = writes
+        else:
+            self._behind.absorb(writes)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) the grads, those of parked parameters in the store included."""
@@ -207,10 +264,12 @@ class OffloadedOptimizer(OptimizerWrapper):
                 behind.finish()
         finally:
             self._drop_ahead()
+            self.backward_step.drop_reads()
 
     def _read(self, chunk: list[torch.Tensor], state: bool = True, rest: bool = True,
-              batch: Optional[_Batch] = None) -> _Batch:
-        """Start reading the chunk's state and (``rest``) parked values and grads; finish installs them."""
+              batch: Optional[_Batch] = None, grads: bool = True) -> _Batch:
+        """Start reading the chunk's state and (``rest``) parked values and (``grads``) stored grads;
+        finish installs them."""
         batch = batch or _Batch(params=tuple(map(id, chunk)))
         for p in chunk:
             if state:
@@ -218,7 +277,7 @@ class OffloadedOptimizer(OptimizerWrapper):
             if rest and parking.parked(p) is not None:
                 parking.prefetch(p)
                 batch.after.append(lambda p=p: parking.load(p))
-            if rest and parking.has_grad(p):
+            if rest and grads and parking.has_grad(p):
                 grad, handle = parking.load_grad(p, self.spares.empty)
                 batch.handles.append(handle)
                 batch.after.append(lambda p=p, grad=grad: self._install_grad(p, grad))

@@ -29,7 +29,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
 from parts.offload.store import DiskStore, IOHandle
 
-__all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "release", "save", "is_resident",
+__all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "release", "hold", "unhold", "ready",
+           "save", "is_resident",
            "version", "overwrite", "replace", "accumulate_grad", "load_grad", "has_grad", "clear_grad",
            "empty_for_io"]
 
@@ -49,6 +50,8 @@ class Parked:
     saving: Optional[IOHandle] = field(default=None, repr=False)  # a write from the storage
     grad_dtype: Optional[torch.dtype] = None  # dtype of the stored grad (None: no grad stored)
     grad_of: Optional["Parked"] = field(default=None, repr=False)  # whose stored grad is this one's
+    holds: int = 0  # holders (``hold``) for whom ``release`` keeps the bytes loaded
+    on_grad: Optional[Callable[[torch.Tensor, bool], None]] = field(default=None, repr=False)  # takes landing grads
 
     @property
     def grad_key(self) -> str:
@@ -187,12 +190,32 @@ def drop(t: torch.Tensor) -> None:
 
 def release(t: torch.Tensor) -> None:
     """``drop`` ``t`` unless a read of it is in flight (someone prefetched it since it was loaded:
-    the bytes are theirs to use); waits its write in flight either way."""
+    the bytes are theirs to use) or someone ``hold``s it; waits its write in flight either way."""
     record = parked(t)
-    if record.pending is None:
+    if record.pending is None and record.holds == 0:
         drop(t)
     else:
         _wait_save(record)
+
+
+def hold(t: torch.Tensor) -> None:
+    """Keep ``t``'s bytes loaded through ``release`` (an all-gather's) until ``unhold``: someone
+    (``OffloadedOptimizer.step_in_backward``) read it ahead to step it soon."""
+    parked(t).holds += 1
+
+
+def unhold(t: torch.Tensor) -> None:
+    """Undo one ``hold`` (the bytes stay loaded until the next ``release`` or ``drop``)."""
+    record = parked(t)
+    if record.holds <= 0:
+        raise RuntimeError(f"parts.offload: unhold of {record.key!r}, which is not held")
+    record.holds -= 1
+
+
+def ready(t: torch.Tensor) -> bool:
+    """True if ``load(t)`` would not wait for a read (resident, its read done, or not parked)."""
+    record = parked(t)
+    return record is None or record.resident or (record.pending is not None and record.pending.done)
 
 
 def _wait_save(record: Parked) -> None:
@@ -251,8 +274,12 @@ def replace(t: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True) -> None:
-    """Add ``part`` into ``t``'s stored grad (or store it: first grad, or ``accumulate=False``)."""
+    """Add ``part`` into ``t``'s stored grad (or store it: first grad, or ``accumulate=False``);
+    with an ``on_grad`` taker set (a step during backward), hand ``part`` to it instead."""
     record = _grad_record(parked(t))
+    if record.on_grad is not None:
+        record.on_grad(part, accumulate)
+        return
     if accumulate and record.grad_dtype is not None:
         current = empty_for_io(t.shape, record.grad_dtype)
         record.store.read(record.grad_key, current).wait()

@@ -63,9 +63,10 @@ def load_for_send(shard: torch.Tensor) -> bool:
 
 
 def after_send(shard: torch.Tensor) -> None:
-    """Empty a parked shard once its all-gather landed (its bytes stay in the store)."""
+    """Empty a parked shard once its all-gather landed (its bytes stay in the store), unless an
+    optimizer stepping during backward holds it (``parking.hold``)."""
     if parking.parked(shard) is not None:
-        parking.drop(shard)
+        parking.release(shard)
 
 
 def stored(t: torch.Tensor) -> Optional[Stored]:

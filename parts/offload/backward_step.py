@@ -1,0 +1,179 @@
+"""The optimizer step during backward: each parameter stepped as soon as its grad lands.
+
+Why. After backward, a step of ``OffloadedOptimizer`` is nearly all IO: every parameter's
+shard, grad and state read, its shard and state written back, with a fraction of a second
+of compute beside it (``benchmarks/bench_offload.py``: 1.9 s offloaded against 0.3 s in
+memory on one rank of a 125M model). Inside ``OffloadedOptimizer.step_in_backward()`` a
+reduce-scattered grad shard that lands during backward is not written to the store: it
+stays in memory while its parameter's shard and state are read, then the parameter is
+stepped and written back, while backward goes on computing the layers below. The grad's
+write and read disappear (8 of every 28 bytes an fp32 AdamW step moves per parameter) and
+the rest of the IO runs beside backward's compute (as ZeRO-Offload overlaps its CPU step
+with backward; Ren et al. 2021, sec. 5).
+
+Reads ahead: grads land in about the same order every step (reverse forward order), so the
+order of the last step's landings says which parameters come next; the reads of the next
+ones run up to ``window_bytes`` (parameter, grad and state bytes) ahead of the landings. A
+shard read ahead is held loaded (``parking.hold``), so the backward all-gather that uses it
+just before its grad lands does not drop it: the step reuses those bytes.
+
+Memory (bytes above the model's, per rank): at most ``window_bytes`` of reads ahead, of
+landed grads waiting for their reads (a landing waits for the oldest reads once they pass
+it) and of writes in flight (the oldest is waited once they pass it): three windows, the
+three chunks of ``memory_bound``. Bitwise: a parameter's update depends only on its own
+grad and state, so stepping it alone or in a chunk gives the same bits; the grad is the same
+sum (a stored grad of earlier micro-batches plus the landed one, in that order).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from parts.offload import parking
+from parts.offload._batch import Batch, discard
+
+if TYPE_CHECKING:
+    from parts.offload.optimizer import OffloadedOptimizer
+
+__all__ = ["BackwardStep"]
+
+
+class BackwardStep:
+    """Reads ahead, landed grads and writes in flight of one optimizer's step during backward."""
+
+    def __init__(self, optimizer: "OffloadedOptimizer", window_bytes: int) -> None:
+        self.opt, self.window_bytes = optimizer, int(window_bytes)
+        self.order: list[int] = []  # parameter indices in the order their grads landed last time
+        self.landed: list[int] = []  # this backward's landings so far
+        self.stepped: set[int] = set()  # stepped since the last ``finish``
+        self._reads: dict[int, tuple[Batch, int]] = {}  # index -> (reads started, their bytes)
+        self._grads: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # index -> (landed, stored sum)
+        self._writes: deque[tuple[Batch, int]] = deque()  # (writes in flight, bytes), oldest first
+        self._cursor = 0  # position in ``order`` up to which reads were started
+        self.reads_bytes = self.ready_bytes = self.writes_bytes = 0
+
+    # ------------------------------------------------------------- during backward
+    def land(self, p: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
+        """``p``'s reduce-scattered grad shard arrived: keep it, read ``p`` and step what is ready."""
+        i = self.opt._index[id(p)]
+        if i in self.stepped or i in self._grads:
+            raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the grad of parameter {i} "
+                               f"(shape {tuple(p.shape)}) landed twice before step(); call step() "
+                               f"after each backward inside step_in_backward()")
+        self.landed.append(i)
+        self._start(i)
+        stored = None
+        if accumulate and parking.has_grad(p):  # earlier micro-batches' sum, in the store
+            stored, handle = parking.load_grad(p, self.opt.spares.empty)
+            self._reads[i][0].handles.append(handle)
+        self._grads[i] = (grad, stored)
+        self.ready_bytes += self._reads[i][1]
+        self.read_ahead()
+        self.drain(block=False)
+
+    def read_ahead(self) -> None:
+        """Start the reads of the parameters expected next, up to ``window_bytes`` ahead."""
+        self._cursor = max(self._cursor, len(self.landed))
+        while self._cursor < len(self.order) and self.reads_bytes - self.ready_bytes < self.window_bytes:
+            i = self.order[self._cursor]
+            self._cursor += 1
+            if i not in self._reads and i not in self.stepped:
+                self._start(i)
+
+    def _start(self, i: int) -> None:
+        """Start reading parameter ``i``'s state, parked value and stored grad (held till written)."""
+        if i in self._reads:
+            return
+        p = self.opt._params[i]
+        if parking.parked(p) is not None:
+            parking.hold(p)
+        cost = self.opt._cost(p)
+        self._reads[i] = (self.opt._read([p], grads=False), cost)
+        self.reads_bytes += cost
+
+    def drain(self, block: bool) -> None:
+        """Step the landed parameters whose reads are done (all of them if ``block``, the oldest
+        while landed grads pass the window), then start their writes."""
+        chunk, waiting = [], self.ready_bytes
+        for i in self.landed[len(self.stepped):]:
+            batch, cost = self._reads[i]
+            p = self.opt._params[i]
+            if not (block or waiting > self.window_bytes or (batch.done and parking.ready(p))):
+                break
+            chunk.append(p)
+            waiting -= cost
+        if chunk:
+            self._step(chunk)
+        self._reap(block=False)
+
+    def _step(self, chunk: list[torch.Tensor]) -> None:
+        """Install the chunk's reads and grads, step it, start its writes."""
+        for p in chunk:
+            i = self.opt._index[id(p)]
+            batch, cost = self._reads.pop(i)
+            batch.finish()
+            self._install_grad(p, *self._grads.pop(i))
+            self.reads_bytes -= cost
+            self.ready_bytes -= cost
+            self.stepped.add(i)
+        self.opt._step_only(chunk)
+        for hook in self.opt.after_step:
+            hook(chunk)
+        for p in chunk:
+            if parking.parked(p) is not None:
+                parking.unhold(p)  # the write's ``after`` releases it once saved
+        writes = self.opt._write(chunk)
+        nbytes = sum(p.numel() * p.element_size() * (1 + len(self.opt.stored_keys(p))) for p in chunk)
+        self._writes.append((writes, nbytes))
+        self.writes_bytes += nbytes
+
+    def _install_grad(self, p: torch.Tensor, grad: torch.Tensor, stored: Optional[torch.Tensor]) -> None:
+        """``p.grad``: the landed grad, added to the stored sum of earlier micro-batches if any."""
+        grad = grad.detach().reshape(p.shape)
+        if stored is not None:
+            p.grad = stored.add_(grad)
+        else:
+            p.grad = grad
+        parking.clear_grad(p)  # consumed by this step
+
+    def _reap(self, block: bool) -> None:
+        """Finish the writes that are done (all if ``block``; the oldest while they pass the window)."""
+        while self._writes and (block or self._writes[0][0].done or self.writes_bytes > self.window_bytes):
+            batch, nbytes = self._writes.popleft()
+            batch.finish()
+            self.writes_bytes -= nbytes
+
+    # ------------------------------------------------------------ at step() and after
+    @property
+    def pending(self) -> bool:
+        """True while landed grads wait to be stepped."""
+        return len(self.stepped) < len(self.landed)
+
+    def finish(self) -> Batch:
+        """Step what landed; remember the landing order; return the writes still in flight as one batch."""
+        self.drain(block=True)
+        if self.landed:
+            self.order = self.landed
+        self.landed, self._cursor, self.stepped = [], 0, set()
+        behind = Batch(self.opt.spares)
+        while self._writes:
+            behind.absorb(self._writes.popleft()[0])
+        self.writes_bytes = 0
+        return behind
+
+    def drop_reads(self) -> None:
+        """Forget the reads started for parameters whose grads did not land (nothing installed)."""
+        if self.pending:
+            raise RuntimeError("OffloadedOptimizer: grads landed in a backward inside "
+                               "step_in_backward() and were not stepped yet; call step() first")
+        reads, self._reads = self._reads, {}
+        for i, (batch, _) in reads.items():
+            discard(batch, self.opt.spares)
+            p = self.opt._params[i]
+            if parking.parked(p) is not None:
+                parking.unhold(p)
+                parking.release(p)
+        self.reads_bytes = self.ready_bytes = 0

@@ -1,0 +1,159 @@
+"""OffloadedOptimizer.step_in_backward: each parameter stepped as its grad lands, bitwise the in-memory run.
+
+The landed grads never go to the store (only the grads of micro-batches before the last, outside
+the context, do); reads started ahead along the last landing order are used or dropped; a slow
+writer shows no buffer is freed or reused while its write is in flight.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run
+from test_coordinator_models import batch
+from test_offload_partition import KNOBS, _build
+from test_offload_pipeline import _slow_writes
+from parts.offload import DiskStore, OffloadedOptimizer, _fileio, parking
+from parts.partition import attach, detach, full_state_dict, shards
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
+}
+
+
+def _train(model, opt, steps, rank, in_backward=False, micro_on=1):
+    """Steps of 4 rows per rank; step ``micro_on`` accumulates two micro-batches of 2 (the last
+    backward of a step runs inside ``step_in_backward`` when ``in_backward``)."""
+    losses = []
+    for step in range(steps):
+        micro = [(0, 2), (2, 2)] if step == micro_on else [(0, 4)]
+        for k, (off, rows) in enumerate(micro):
+            loss = model(*batch(step, rows, 8 * rank + off))
+            last = k == len(micro) - 1
+            with opt.step_in_backward() if in_backward and last else _nothing():
+                loss.backward()
+            losses.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _grad_writes(store, counted):
+    """Count the store's writes of grad keys into ``counted`` (a list) from now on."""
+    real = store.write
+
+    def write(key, tensor):
+        if key.endswith("/grad"):
+            counted.append(key)
+        return real(key, tensor)
+
+    store.write = write
+
+
+def body_equivalence(tmp, kind, slow):
+    rank = dist.get_rank()
+    ref = _build(None)
+    store = DiskStore(f"{tmp}/r{rank}", block_bytes=4096, max_inflight_bytes=1 << 16,
+                      direct=False if slow else None)
+    off = _build(store)
+    attach(ref, **KNOBS), attach(off, **KNOBS)
+    ref_opt = OPTIMIZERS[kind](shards(ref))
+    off_opt = OffloadedOptimizer(OPTIMIZERS[kind](shards(off)), store, chunk_bytes=20_000)
+    grad_keys, real, slept, torn = [], _fileio.OPS.pwritev, [], []
+    _grad_writes(store, grad_keys)
+    if slow:
+        _slow_writes(store, slept, torn)
+    try:
+        ref_losses = _train(ref, ref_opt, 4, rank)
+        off_losses = _train(off, off_opt, 4, rank, in_backward=True)
+        held_after_step = sum(parking.parked(p).holds for p in shards(off))
+        off_opt.settle()
+    finally:
+        _fileio.OPS.pwritev = real
+    sd_ref, sd_off = full_state_dict(ref), full_state_dict(off)
+    out = dict(
+        same_losses=all(torch.equal(a, b) for a, b in zip(ref_losses, off_losses)),
+        same_params=all(torch.equal(sd_ref[k], sd_off[k]) for k in sd_ref),
+        same_state=_same_state(ref_opt, off_opt),
+        landed=len(off_opt.backward_step.order), params=len(shards(off)),
+        grad_writes=len(set(grad_keys)), held_after_step=held_after_step,
+        held_after_settle=sum(parking.parked(p).holds for p in shards(off)),
+        resident=sum(1 for p in shards(off) if p.untyped_storage().nbytes()),
+        slept=len(slept), torn=torn)
+    detach(ref), detach(off)
+    store.close()
+    return out
+
+
+def _same_state(ref_opt, off_opt) -> bool:
+    ref, off = ref_opt.state_dict()["state"], off_opt.state_dict()["state"]
+    return sorted(ref) == sorted(off) and all(torch.equal(torch.as_tensor(v), torch.as_tensor(off[i][k]))
+                                              for i, st in ref.items() for k, v in st.items())
+
+
+def _check(out, slow=False):
+    assert out["same_losses"] and out["same_params"] and out["same_state"]
+    assert out["landed"] == out["params"]  # every parked shard's grad landed inside the context
+    # only the first micro-batch of the accumulating step (outside the context) stores grads: all
+    # of them; the landed ones went to the step, not to the store
+    assert out["grad_writes"] == out["params"]
+    assert out["held_after_step"] > 0  # the next backward's first shards, read ahead
+    assert out["held_after_settle"] == 0 and out["resident"] == 0
+    if slow:
+        assert out["slept"] > 0 and out["torn"] == []
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_step_in_backward_equals_memory(tmp_path, world):
+    for out in run(world, body_equivalence, str(tmp_path), "adamw", False):
+        _check(out)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_step_in_backward_other_optimizers(tmp_path, kind):
+    for out in run(2, body_equivalence, str(tmp_path), kind, False):
+        _check(out)
+
+
+def test_step_in_backward_slow_writer(tmp_path):
+    for out in run(2, body_equivalence, str(tmp_path), "adamw", True):
+        _check(out, slow=True)
+
+
+def body_refusals(tmp):
+    rank = dist.get_rank()
+    store = DiskStore(f"{tmp}/r{rank}", block_bytes=4096)
+    model = _build(store)
+    attach(model, **KNOBS)
+    opt = OffloadedOptimizer(torch.optim.AdamW(shards(model), lr=1e-2), store, chunk_bytes=20_000)
+    errors = []
+    with opt.step_in_backward():
+        model(*batch(0, 4, 8 * rank)).backward()
+        try:
+            model(*batch(1, 4, 8 * rank)).backward()  # a second backward before step()
+        except RuntimeError as e:
+            errors.append(str(e))
+    try:
+        opt.settle()  # grads landed and not stepped
+    except RuntimeError as e:
+        errors.append(str(e))
+    detach(model)
+    store.close()
+    return errors
+
+
+def test_step_in_backward_refusals(tmp_path):
+    errors = run(1, body_refusals, str(tmp_path))[0]
+    assert len(errors) == 2
+    assert "landed twice before step()" in errors[0]
+    assert "call step() first" in errors[1]
