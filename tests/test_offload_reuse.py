@@ -1,13 +1,18 @@
-"""Reuse: a dropped parked tensor's memory serves the next load of its size, within a byte cap."""
+"""``store.reuse``: a dropped parked tensor's memory serves the next load of its size, within a byte cap."""
 
 import pytest
 import torch
 
 from parts._compat import can_swap_storage_data
 from parts.offload import DiskStore, parking
-from parts.offload.reuse import Reuse
+from parts.base.storage_pool import StoragePool
 
 pytestmark = pytest.mark.skipif(not can_swap_storage_data(), reason="this torch cannot move storage memory")
+
+
+def store_pool(capacity: int) -> StoragePool:
+    """A pool as ``DiskStore`` makes its ``reuse``: bounded, the oldest block of a size taken first."""
+    return StoragePool(capacity, newest_first=False)
 
 
 def _storage(nbytes: int) -> torch.UntypedStorage:
@@ -15,7 +20,7 @@ def _storage(nbytes: int) -> torch.UntypedStorage:
 
 
 def test_memory_moves_to_the_next_storage_of_its_size():
-    reuse = Reuse(1 << 20)
+    reuse = store_pool(1 << 20)
     a = _storage(4096)
     ptr = a.data_ptr()
     reuse.give(a)
@@ -29,7 +34,7 @@ def test_memory_moves_to_the_next_storage_of_its_size():
 
 
 def test_capacity_frees_the_oldest_blocks():
-    reuse = Reuse(10_000)
+    reuse = store_pool(10_000)
     blocks = [_storage(4096) for _ in range(3)]
     ptrs = [s.data_ptr() for s in blocks]
     for s in blocks:
@@ -44,11 +49,11 @@ def test_capacity_frees_the_oldest_blocks():
     reuse.give(_storage(20_000))  # larger than the cap: freed, not kept
     assert reuse.held_bytes == 0
     with pytest.raises(ValueError, match="capacity"):
-        Reuse(-1)
+        StoragePool(-1)
 
 
 def test_zero_capacity_keeps_nothing():
-    reuse = Reuse(0)
+    reuse = store_pool(0)
     s = _storage(4096)
     reuse.give(s)
     assert s.nbytes() == 0 and reuse.held_bytes == 0

@@ -11,10 +11,9 @@ from torch import nn
 
 from harness import run
 from parts.partition.core.grad_guard import raw_grad
-from parts.partition import (ParamStatus, comm_counter, gather, gathered, is_partitioned, meta,
+from parts.partition import (ParamStatus, StoragePool, comm_counter, gather, gathered, is_partitioned, meta,
                              partition_module, partitioned, reduce_scatter_grads, release, shards)
 from parts.partition.core import param as param_mod
-from parts.partition.core.storage_pool import StoragePool
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DIMS = st.sampled_from([0, 1, 2, 3, 5, 7, 13, 31])

@@ -6,8 +6,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from harness import run
-from parts.partition import gather, meta, partition_module, release
-from parts.partition.core.storage_pool import StoragePool
+from parts.partition import StoragePool, gather, meta, partition_module, release
 
 OPS = st.lists(st.tuples(st.sampled_from(["put", "take"]), st.sampled_from([4, 12, 64])),
                min_size=1, max_size=30)

@@ -13,8 +13,9 @@ tensors and the optimizer's buffers are) is moved without a copy; only unaligned
 copied through a bounce buffer. Memory the store itself holds: one aligned bounce buffer
 per IO thread in direct mode, ``ALIGN`` bytes while every transfer is aligned, up to
 ``block_bytes`` once one is not; nothing in buffered mode; the store never maps its files.
-Beside that, ``reuse`` (``parts.offload.reuse``) keeps up to ``reuse_bytes`` of the memory
-of parked tensors it dropped, for the next load of that size (no page faults in the read).
+Beside that, ``reuse`` (a ``StoragePool`` of ``parts.base``) keeps up to ``reuse_bytes`` of
+the memory of parked tensors it dropped, for the next load of that size (no page faults in
+the read); of several blocks of one size the oldest serves first.
 
 Ordering: operations on one key run in submission order (a read after a write returns the
 written bytes; a read after a failed write raises). A write must not have its source
@@ -37,11 +38,11 @@ from typing import Any, Optional
 
 import torch
 
+from parts.base.storage_pool import StoragePool
 from parts.offload import _fileio
 from parts.offload._fileio import ALIGN, DiskFullError, round_up
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
-from parts.offload.reuse import Reuse
 
 __all__ = ["DiskStore", "IOHandle", "StoreStats", "DiskFullError"]
 
@@ -102,7 +103,7 @@ class DiskStore:
                              f"{threads} and {max_inflight_bytes}")
         if block_bytes < ALIGN or block_bytes % ALIGN:
             raise ValueError(f"DiskStore: block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
-        reuse = Reuse(reuse_bytes)
+        reuse = StoragePool(reuse_bytes, newest_first=False)
         self.path = os.path.abspath(os.fspath(path))
         self.directory = _scratch_dir(self.path)
         self._queue = IOQueue(threads, "parts-offload")

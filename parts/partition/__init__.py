@@ -28,6 +28,7 @@ Example (``torchrun --nproc-per-node 2``)::
 """
 
 from parts.base.layout import ShardLayout
+from parts.base.storage_pool import StoragePool
 from parts.comm.counter import CommCounter, comm_counter
 from parts.partition.construction.construct import partition_module, partitioned
 from parts.partition.core.gather import GatherHandle, gather, gathered, release
@@ -35,7 +36,6 @@ from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shard
 from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, meta
 from parts.partition.core.precision import MixedPrecision
 from parts.partition.core.state_dict import full_state_dict, load_full_state_dict
-from parts.partition.core.storage_pool import StoragePool
 from parts.partition.interop import (clip_grad_norm_, grad_norm, load_pretrained, num_parameters,
                                      resize_token_embeddings)
 from parts.partition.coordinator.compiled import compile_blocks, uncompile_blocks

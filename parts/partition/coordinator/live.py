@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
+from parts.base.storage_pool import StoragePool
 from parts.comm import GroupArg, WeakGroup
 from parts._compat import in_backward
 from parts.partition.coordinator.plan import Knobs, choose_evictions, collective_bytes, keep_after_use
@@ -21,7 +22,6 @@ from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import BACKWARD, FORWARD
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, is_stale, wanted_dtype
-from parts.partition.core.storage_pool import StoragePool
 
 if TYPE_CHECKING:
     from parts.partition.coordinator.flat import FlatGather

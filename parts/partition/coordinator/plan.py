@@ -47,7 +47,7 @@ class Knobs:
     gathered again, in one collective, so no stale full copy is ever used: one gather of them
     per optimizer step, none for steps without an update (evaluation, accumulation).
     ``cache_freed_storage``: released full parameters' memory is kept for the next gathers of
-    that size instead of going back to the host allocator (CPU only; ``storage_pool.py``).
+    that size instead of going back to the host allocator (CPU only; ``parts.base.storage_pool``).
     ``fetch_unit_size``: a submodule whose subtree holds at most this many elements (and at
     most ``max_live_parameters``) is one fetch unit, gathered and released as one, with hooks
     on it alone (``units.py``; a transformer block, or a whole small model); 0: every

@@ -68,7 +68,7 @@ class CoordinatorStats:
     a checkpointed region recomputes. ``live_high_water``: most non-persistent gathered (or
     in-flight) elements at once. ``param_gathers``: stable id -> gathers in the step.
     ``cached_bytes``: freed full-parameter memory the coordinator keeps for the next
-    gathers (``cache_freed_storage``; see ``parts.partition.core.storage_pool``).
+    gathers (``cache_freed_storage``; see ``parts.base.storage_pool``).
     """
 
     steps: int

@@ -24,13 +24,13 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from parts.base.storage_pool import StoragePool
 from parts.comm import GroupArg, GroupInfo, all_gather_many
 from parts.partition.core import disk
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_partitioned, is_stale, metas_sorted, stamp,
                                    wanted_dtype)
 from parts.partition.core.sharding import reshard
-from parts.partition.core.storage_pool import StoragePool
 
 __all__ = ["GatherHandle", "gather", "release", "gathered"]
 
@@ -117,8 +117,10 @@ def _full_for(m: ParamMeta, pool: Optional[StoragePool], dtype: torch.dtype,
         flat = alloc(padded, dtype, m.device) if flat is None else flat
         return flat[:m.numel].view(m.shape), flat
     storage = kept.untyped_storage()
-    if pool is None or not pool.take_into(storage, nbytes):
+    if pool is None:
         storage.resize_(nbytes)
+    else:
+        pool.fill(storage, nbytes)
     # A separate tensor on the same storage: writing through it leaves the version counter
     # of the views autograd saved from ``kept`` untouched (they must see the new values).
     alias = torch.empty(0, dtype=dtype, device=m.device).set_(storage, 0, (padded,))
@@ -191,8 +193,10 @@ def _owns_storage(data: torch.Tensor, m: ParamMeta) -> bool:
 
 def _empty_storage(storage: torch.UntypedStorage, pool: Optional[StoragePool]) -> None:
     """Leave ``storage`` with 0 bytes: its memory goes to ``pool`` if it takes it, else is freed."""
-    if pool is None or not pool.put(storage):
+    if pool is None:
         storage.resize_(0)
+    else:
+        pool.give(storage)
 
 
 @contextlib.contextmanager
