@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--raw-gib", type=float, default=1.0, help="size of the raw-bandwidth file per rank")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3, help="measured steps per system (after 1 warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="measured steps per system (after 2 warm-up steps)")
     ap.add_argument("--reuse-bytes", type=int, default=64 << 20,
                     help="the store's reuse_bytes (memory of dropped shards kept for their next loads; 0: none)")
     ap.add_argument("--after-backward", action="store_true",
@@ -109,11 +109,12 @@ def build(args, store):
     return model, OffloadedOptimizer(inner, store, chunk_bytes=256 << 20, across_steps=not args.within_step)
 
 
-def step(model, opt, tokens, gen, args, store, settle: bool = True) -> dict:
+def step(model, opt, tokens, gen, args, store, flush: bool = True) -> dict:
     """One training step: wall and CPU seconds (this process, IO threads included), store counters.
-    ``settle``: the next step is the other system's, so the writes this step leaves behind (and
-    the reads it starts ahead) are waited inside its own time; else they overlap the next step,
-    which also counts their bytes."""
+    ``flush``: the next step is the other system's, so the writes this step leaves behind and
+    the reads it starts ahead are waited inside its own time (they stay for its next step, as in
+    training: nothing else touches the store); else they overlap the next step, which also
+    counts their bytes."""
     before = store.stats.snapshot() if store is not None else None
     wall, cpu = time.perf_counter(), time.process_time()
     loss = model(*batch(tokens, args.batch_size, args.seq_len, gen))
@@ -122,8 +123,7 @@ def step(model, opt, tokens, gen, args, store, settle: bool = True) -> dict:
     mid, opt_wall = store.stats.snapshot() if store is not None else None, time.perf_counter()
     opt.step()
     opt.zero_grad()
-    if store is not None and settle:
-        opt.settle()
+    if store is not None and flush:
         store.flush()
     opt_wall = time.perf_counter() - opt_wall
     dist.barrier()
@@ -138,14 +138,15 @@ def measure(args, tokens, store) -> tuple[list[dict], list[dict]]:
     off, mem, ...: an offloaded step followed by another one leaves its writes behind to it)."""
     systems = [build(args, None), build(args, store)]
     gens = [torch.Generator().manual_seed(dist.get_rank()) for _ in systems]
-    for (model, opt), gen, st in zip(systems, gens, (None, store)):
-        step(model, opt, tokens, gen, args, st)  # warm-up: records the trace, creates optimizer state
+    for _ in range(2):  # warm-up: records the traces (the coordinator's, the landing order), creates state
+        for (model, opt), gen, st in zip(systems, gens, (None, store)):
+            step(model, opt, tokens, gen, args, st)
     order = [w for r in range(args.rounds) for w in ((0, 1) if r % 2 == 0 else (1, 0))]
     records: list[list[dict]] = [[], []]
     for i, which in enumerate(order):
         model, opt = systems[which]
-        settle = i + 1 == len(order) or order[i + 1] != which
-        records[which].append(step(model, opt, tokens, gens[which], args, store if which else None, settle))
+        flush = i + 1 == len(order) or order[i + 1] != which
+        records[which].append(step(model, opt, tokens, gens[which], args, store if which else None, flush))
     for model, _ in systems:
         detach(model)
     return records[0], records[1]

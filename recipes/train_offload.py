@@ -7,13 +7,16 @@ Every rank keeps its parameter shards, their grads and AdamW's two moments in a
 ``parts.offload.DiskStore`` (scratch files under ``--store``, removed at exit): the model is
 built under ``partitioned(remote_device=store)`` (each module's shards go to disk right after
 its ``__init__``), ``attach`` gathers two blocks at most, reading shards ahead along its
-trace, and ``OffloadedOptimizer(AdamW)`` streams shard, grad and moments through memory
-chunk by chunk. fp32 throughout; data: the standard library's Python sources.
+trace, and ``OffloadedOptimizer(AdamW)`` steps each parameter during backward, as soon as
+its grad shard lands (``step_in_backward``: shard and moments read ahead, stepped, written
+back while backward computes the layers below; the grads never go to disk). fp32
+throughout; data: the standard library's Python sources.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import shutil
@@ -50,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     add("--lr", type=float, default=None, help="peak LR (default: lr_for(model), scaled to width x depth)")
     add("--warmup", type=int, default=3, help="steps of linear LR warm-up (Adam's first steps are sign steps)")
     add("--in-memory", action="store_true", help="shards and state in memory (a comparison at small --params)")
+    add("--after-backward", action="store_true",
+        help="step the offloaded optimizer after backward (grads to disk and back), not during it")
     add("--seed", type=int, default=1234)
     add("--chunk-mib", type=int, default=256, help="optimizer chunk (parameter + grad + state bytes)")
     add("--io-threads", type=int, default=4)
@@ -124,7 +129,9 @@ def build(args: argparse.Namespace, store: DiskStore):
 def train_step(model, optimizer, schedule, tokens, gen, args) -> float:
     x, y = batch(tokens, args.batch_size, args.seq_len, gen)
     loss = model(x, y)
-    loss.backward()
+    in_backward = isinstance(optimizer, OffloadedOptimizer) and not args.after_backward
+    with optimizer.step_in_backward() if in_backward else contextlib.nullcontext():
+        loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     schedule.step()

@@ -2,9 +2,12 @@
 
 A fresh process, because peak RSS is a process high-water mark and the allocator setting
 (freed large buffers go back to the OS at once) must not leak into the test workers.
-Prints one line: ``growth bound states`` in bytes.
+Prints one line: ``growth bound states`` in bytes. A second argument ``in-backward`` steps the
+optimizer during backward (``step_in_backward``: reads ahead, landed grads and writes in flight,
+a window each, and the shards kept loaded for the next forward).
 """
 
+import contextlib
 import sys
 import warnings
 
@@ -41,7 +44,7 @@ def warm_up() -> None:
     torch.optim.AdamW([w]).step()
 
 
-def main(path: str) -> None:
+def main(path: str, in_backward: bool) -> None:
     torch.set_num_threads(1)
     set_mmap_threshold(128 * 1024)
     warm_up()
@@ -53,8 +56,10 @@ def main(path: str) -> None:
         model = nn.Sequential(*[Block() for _ in range(LAYERS)])
     attach(model, **KNOBS)
     opt = OffloadedOptimizer(torch.optim.AdamW(shards(model), lr=1e-3), store, chunk_bytes=CHUNK)
-    for _ in range(2):
-        model(x).square().mean().backward()
+    for _ in range(3):
+        loss = model(x).square().mean()
+        with opt.step_in_backward() if in_backward else contextlib.nullcontext():
+            loss.backward()
         opt.step()
         opt.zero_grad()
     growth = snapshot().peak_rss_bytes - base
@@ -71,4 +76,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["in-backward"])

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from parts.offload import OffloadBudget, memory_bound
 
 
@@ -14,10 +16,11 @@ def test_bound_adds_the_terms():
     assert memory_bound(b, activations=11) == 60 + 16 + 480 + 75 + 24 + (16 + 480 + 24) // 16 + 11
 
 
-def test_peak_rss_growth_under_bound(tmp_path):
+@pytest.mark.parametrize("mode", ["after-backward", "in-backward"])
+def test_peak_rss_growth_under_bound(tmp_path, mode):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     job = os.path.join(os.path.dirname(__file__), "offload_memory_job.py")
-    out = subprocess.run([sys.executable, job, str(tmp_path)], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, job, str(tmp_path), mode], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     growth, bound, states = map(int, out.stdout.split())

@@ -54,8 +54,8 @@ def _measure(model, store, fn, also=()):
     resident = lambda: sum(s.untyped_storage().nbytes() for s in parked)  # noqa: E731
     tracker, real_read = PeakTracker(resident), store.read
 
-    def read(key, out):
-        handle = real_read(key, out)
+    def read(key, out, urgent=False):
+        handle = real_read(key, out, urgent=urgent)
         tracker.sample()
         return handle
 

@@ -1,10 +1,11 @@
 """The IO threads of a ``DiskStore`` and their queue: reads before writes, each key in order.
 
 A store operation (``Op``: one read or write of a key) is split into pieces, each a call
-run on one of the queue's threads. Pieces wait in one priority queue, reads ahead of writes
-and each kind first in, first out, so a read issued ahead (a prefetch the step will soon
-wait for) is not held behind unrelated writes already queued: at most behind the pieces
-the threads are running. Ordering per key: an op that must follow another (``after``: the
+run on one of the queue's threads. Pieces wait in one priority queue, urgent reads (a shard
+an all-gather will soon wait for, with compute behind it) ahead of other reads (optimizer
+state read ahead) ahead of writes, each lane first in, first out, so a read issued ahead is
+not held behind unrelated writes already queued: at most behind the pieces the threads are
+running. Ordering per key: an op that must follow another (``after``: the
 key's previous operation) is held aside until that one is done, and only then queued, so
 no thread ever blocks waiting for another op and a read of a key still sees every earlier
 write of it, even though reads overtake writes in the queue.
@@ -17,17 +18,19 @@ import itertools
 import threading
 from typing import Callable, Optional
 
-__all__ = ["Op", "IOQueue", "READ", "WRITE"]
+__all__ = ["Op", "IOQueue", "URGENT", "READ", "WRITE"]
 
-READ, WRITE = 0, 1
+URGENT, READ, WRITE = 0, 1, 2
 """Queue lanes, served in this order."""
 
 
 class Op:
     """One read or write of a key: ``remaining`` pieces to run; ``finished`` set once done."""
 
-    def __init__(self, pieces: int, nbytes: int, key: str, after: Optional["Op"], writing: bool) -> None:
+    def __init__(self, pieces: int, nbytes: int, key: str, after: Optional["Op"], writing: bool,
+                 urgent: bool = False) -> None:
         self.remaining, self.nbytes, self.key, self.after, self.writing = pieces, nbytes, key, after, writing
+        self.lane = WRITE if writing else URGENT if urgent else READ
         self.error: Optional[BaseException] = None
         self.finished = threading.Event()
         self.held: list[tuple[int, list[Callable[[], None]]]] = []  # (lane, pieces) of ops that follow it
@@ -48,7 +51,7 @@ class IOQueue:
 
     def submit(self, op: Op, pieces: list[Callable[[], None]]) -> None:
         """Queue ``op``'s pieces in its lane, or hold them until ``op.after`` is done."""
-        lane = WRITE if op.writing else READ
+        lane = op.lane
         with self._cond:
             after = op.after
             if after is not None and not after.finished.is_set():

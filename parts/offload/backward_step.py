@@ -17,10 +17,15 @@ ones run up to ``window_bytes`` (parameter, grad and state bytes) ahead of the l
 shard read ahead is held loaded (``parking.hold``), so the backward all-gather that uses it
 just before its grad lands does not drop it: the step reuses those bytes.
 
-Memory (bytes above the model's, per rank): at most ``window_bytes`` of reads ahead, of
-landed grads waiting for their reads (a landing waits for the oldest reads once they pass
-it) and of writes in flight (the oldest is waited once they pass it): three windows, the
-three chunks of ``memory_bound``. Bitwise: a parameter's update depends only on its own
+The last landings' shards (first used by the next forward: up to ``window_bytes``) stay
+loaded after their writes, for that forward's all-gathers, which drop them.
+
+Memory (bytes above the model's, per rank), with ``m = max(window_bytes, largest parameter's
+param + grad + state bytes)``: reads started ahead of their landing at most ``m`` (a read
+starts only if it fits the window, or if none is ahead); landed parameters waiting for their
+reads at most ``m`` (while they pass the window the oldest is stepped, waiting for its reads); writes in flight at most ``m`` (the oldest is waited before more would pass it).
+In forward the landed stage is empty and the kept shards take its place: three ``m`` at
+any time, the three chunks of ``memory_bound``. Bitwise: a parameter's update depends only on its own
 grad and state, so stepping it alone or in a chunk gives the same bits; the grad is the same
 sum (a stored grad of earlier micro-batches plus the landed one, in that order).
 """
@@ -53,7 +58,9 @@ class BackwardStep:
         self._grads: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # index -> (landed, stored sum)
         self._writes: deque[tuple[Batch, int]] = deque()  # (writes in flight, bytes), oldest first
         self._cursor = 0  # position in ``order`` up to which reads were started
-        self.reads_bytes = self.ready_bytes = self.writes_bytes = 0
+        self._tail: set[int] = set()  # the last landings: first used by the next forward
+        self._kept: list[torch.Tensor] = []  # their shards, left loaded after their writes
+        self.ahead_bytes = self.landed_bytes = self.writes_bytes = 0  # each at most one window or parameter
 
     # ------------------------------------------------------------- during backward
     def land(self, p: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
@@ -63,51 +70,61 @@ class BackwardStep:
             raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the grad of parameter {i} "
                                f"(shape {tuple(p.shape)}) landed twice before step(); call step() "
                                f"after each backward inside step_in_backward()")
-        self.landed.append(i)
+        cost = self.opt._cost(p)
         self._start(i)
+        self.landed.append(i)
+        self.ahead_bytes -= cost
+        self.landed_bytes += cost
         stored = None
         if accumulate and parking.has_grad(p):  # earlier micro-batches' sum, in the store
             stored, handle = parking.load_grad(p, self.opt.spares.empty)
             self._reads[i][0].handles.append(handle)
         self._grads[i] = (grad, stored)
-        self.ready_bytes += self._reads[i][1]
+        while self.landed_bytes > self.window_bytes:
+            self._step(self._landed_params(1))  # the oldest landed, waiting for its reads
         self.read_ahead()
         self.drain(block=False)
 
     def read_ahead(self) -> None:
-        """Start the reads of the parameters expected next, up to ``window_bytes`` ahead."""
+        """Start the reads of the parameters expected next, up to ``window_bytes`` ahead (one at least)."""
         self._cursor = max(self._cursor, len(self.landed))
-        while self._cursor < len(self.order) and self.reads_bytes - self.ready_bytes < self.window_bytes:
+        while self._cursor < len(self.order):
             i = self.order[self._cursor]
-            self._cursor += 1
             if i not in self._reads and i not in self.stepped:
+                if self.ahead_bytes and self.ahead_bytes + self.opt._cost(self.opt._params[i]) > self.window_bytes:
+                    return
                 self._start(i)
+            self._cursor += 1
 
     def _start(self, i: int) -> None:
-        """Start reading parameter ``i``'s state, parked value and stored grad (held till written)."""
+        """Start reading parameter ``i``'s state and parked value (held loaded till written)."""
         if i in self._reads:
             return
         p = self.opt._params[i]
         if parking.parked(p) is not None:
             parking.hold(p)
-        cost = self.opt._cost(p)
-        self._reads[i] = (self.opt._read([p], grads=False), cost)
-        self.reads_bytes += cost
+        self._reads[i] = self.opt._read([p], grads=False), self.opt._cost(p)
+        self.ahead_bytes += self._reads[i][1]
+
+    def _landed_params(self, limit: Optional[int] = None) -> list[torch.Tensor]:
+        """The landed parameters not yet stepped, oldest first (at most ``limit``)."""
+        waiting = self.landed[len(self.stepped):]
+        return [self.opt._params[i] for i in waiting[:limit]]
 
     def drain(self, block: bool) -> None:
-        """Step the landed parameters whose reads are done (all of them if ``block``, the oldest
-        while landed grads pass the window), then start their writes."""
-        chunk, waiting = [], self.ready_bytes
-        for i in self.landed[len(self.stepped):]:
-            batch, cost = self._reads[i]
-            p = self.opt._params[i]
-            if not (block or waiting > self.window_bytes or (batch.done and parking.ready(p))):
+        """Step the landed parameters whose reads are done once they make a quarter window (all of
+        them if ``block``), then start their writes."""
+        chunk, ready = [], 0
+        for p in self._landed_params():
+            batch, cost = self._reads[self.opt._index[id(p)]]
+            if not (block or (batch.done and parking.ready(p))):
                 break
             chunk.append(p)
-            waiting -= cost
-        if chunk:
+            ready += cost
+        # fewer, larger steps: each call of the wrapped optimizer costs ~1 ms of Python
+        if chunk and (block or ready >= self.window_bytes // 4):
             self._step(chunk)
-        self._reap(block=False)
+        self._reap(0, block=False)
 
     def _step(self, chunk: list[torch.Tensor]) -> None:
         """Install the chunk's reads and grads, step it, start its writes."""
@@ -116,17 +133,21 @@ class BackwardStep:
             batch, cost = self._reads.pop(i)
             batch.finish()
             self._install_grad(p, *self._grads.pop(i))
-            self.reads_bytes -= cost
-            self.ready_bytes -= cost
+            self.landed_bytes -= cost
             self.stepped.add(i)
         self.opt._step_only(chunk)
         for hook in self.opt.after_step:
             hook(chunk)
+        kept = [p for p in chunk if self.opt._index[id(p)] in self._tail]
         for p in chunk:
-            if parking.parked(p) is not None:
+            if parking.parked(p) is not None and self.opt._index[id(p)] not in self._tail:
                 parking.unhold(p)  # the write's ``after`` releases it once saved
-        writes = self.opt._write(chunk)
         nbytes = sum(p.numel() * p.element_size() * (1 + len(self.opt.stored_keys(p))) for p in chunk)
+        self._reap(nbytes, block=False)
+        writes = self.opt._write(chunk)
+        for p in kept:  # stays loaded for the next forward's first all-gathers (its release drops it)
+            writes.after.append(lambda p=p: parking.unhold(p))
+        self._kept += kept
         self._writes.append((writes, nbytes))
         self.writes_bytes += nbytes
 
@@ -139,9 +160,11 @@ class BackwardStep:
             p.grad = grad
         parking.clear_grad(p)  # consumed by this step
 
-    def _reap(self, block: bool) -> None:
-        """Finish the writes that are done (all if ``block``; the oldest while they pass the window)."""
-        while self._writes and (block or self._writes[0][0].done or self.writes_bytes > self.window_bytes):
+    def _reap(self, room: int, block: bool) -> None:
+        """Finish the writes that are done, and the oldest while ``room`` more bytes would pass the
+        window (all if ``block``)."""
+        while self._writes and (block or self._writes[0][0].done
+                                or self.writes_bytes + room > self.window_bytes):
             batch, nbytes = self._writes.popleft()
             batch.finish()
             self.writes_bytes -= nbytes
@@ -157,12 +180,20 @@ class BackwardStep:
         self.drain(block=True)
         if self.landed:
             self.order = self.landed
+            self._tail = set(_tail(self.order, self.opt._params, self.window_bytes))
         self.landed, self._cursor, self.stepped = [], 0, set()
         behind = Batch(self.opt.spares)
         while self._writes:
             behind.absorb(self._writes.popleft()[0])
         self.writes_bytes = 0
         return behind
+
+    def drop_kept(self) -> None:
+        """Empty the shards left loaded for a forward that did not use them."""
+        kept, self._kept = self._kept, []
+        for p in kept:
+            if parking.parked(p).holds == 0:
+                parking.release(p)
 
     def drop_reads(self) -> None:
         """Forget the reads started for parameters whose grads did not land (nothing installed)."""
@@ -176,4 +207,15 @@ class BackwardStep:
             if parking.parked(p) is not None:
                 parking.unhold(p)
                 parking.release(p)
-        self.reads_bytes = self.ready_bytes = 0
+        self.ahead_bytes = self.landed_bytes = 0
+
+
+def _tail(order: list[int], params: list[torch.Tensor], nbytes: int) -> list[int]:
+    """The last indices of ``order`` whose parameters' bytes sum to at most ``nbytes``."""
+    out, total = [], 0
+    for i in reversed(order):
+        total += params[i].numel() * params[i].element_size()
+        if total > nbytes:
+            break
+        out.append(i)
+    return out

@@ -183,6 +183,7 @@ class OffloadedOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         early = bool(self.backward_step.landed)
+        self.backward_step.drop_kept()  # the last step's, used by this forward
         if early:
             self._keep_behind(self.backward_step.finish())
         self.backward_step.drop_reads()
@@ -265,6 +266,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         finally:
             self._drop_ahead()
             self.backward_step.drop_reads()
+            self.backward_step.drop_kept()
 
     def _read(self, chunk: list[torch.Tensor], state: bool = True, rest: bool = True,
               batch: Optional[_Batch] = None, grads: bool = True) -> _Batch:

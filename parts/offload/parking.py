@@ -150,13 +150,14 @@ def _refill(t: torch.Tensor, record: Parked) -> None:
             t.set_(storage, offset, t.shape, t.stride())
 
 
-def prefetch(t: torch.Tensor) -> None:
-    """Start reading ``t``'s bytes into its (refilled) storage; no-op if resident or in flight."""
+def prefetch(t: torch.Tensor, urgent: bool = False) -> None:
+    """Start reading ``t``'s bytes into its (refilled) storage; no-op if resident or in flight;
+    ``urgent``: compute will wait for it (the store queues it before other reads)."""
     record = parked(t)
     if record.resident or record.pending is not None:
         return
     _refill(t, record)
-    record.pending = record.store.read(record.key, t)
+    record.pending = record.store.read(record.key, t, urgent=urgent)
 
 
 def load(t: torch.Tensor) -> None:
@@ -165,7 +166,7 @@ def load(t: torch.Tensor) -> None:
     record = parked(t)
     if record is None:
         return
-    prefetch(t)
+    prefetch(t, urgent=True)  # a read started now is waited for at once
     _wait_save(record)  # the caller may change the bytes once loaded
     if record.pending is not None:
         pending, record.pending = record.pending, None

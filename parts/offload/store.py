@@ -150,8 +150,9 @@ class DiskStore:
         entry.nbytes = src.numel()
         return self._submit(entry, key, src, writing=True)
 
-    def read(self, key: str, out: torch.Tensor) -> IOHandle:
-        """Fill ``out`` (contiguous, CPU, exactly the stored byte size) with the bytes stored under ``key``."""
+    def read(self, key: str, out: torch.Tensor, urgent: bool = False) -> IOHandle:
+        """Fill ``out`` (contiguous, CPU, exactly the stored byte size) with the bytes stored under
+        ``key``; ``urgent`` reads (compute will wait for them) go before other queued reads."""
         self._check_open("read")
         entry = self._index.get(key)
         if entry is None:
@@ -160,7 +161,7 @@ class DiskStore:
         if dst.numel() != entry.nbytes:
             raise ValueError(f"DiskStore: key {key!r} holds {entry.nbytes} bytes, the output tensor "
                              f"{tuple(out.shape)} {out.dtype} has {dst.numel()}")
-        return self._submit(entry, key, dst, writing=False)
+        return self._submit(entry, key, dst, writing=False, urgent=urgent)
 
     def delete(self, key: str) -> None:
         """Forget ``key`` and remove its file (after its pending operations)."""
@@ -260,10 +261,11 @@ class DiskStore:
             os.close(fd)
         entry.reserved = need
 
-    def _submit(self, entry: _Entry, key: str, data: torch.Tensor, writing: bool) -> IOHandle:
+    def _submit(self, entry: _Entry, key: str, data: torch.Tensor, writing: bool,
+                urgent: bool = False) -> IOHandle:
         n = data.numel()
         starts = list(range(0, n, self.block_bytes))
-        op = Op(len(starts), n, key, entry.last, writing)
+        op = Op(len(starts), n, key, entry.last, writing, urgent)
         if starts:  # an empty op finishes at once: the next one must wait for the last that moves bytes
             entry.last = op
         self._acquire(n, writing)

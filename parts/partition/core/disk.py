@@ -166,7 +166,7 @@ def read_ahead(recs: Any, plan: Any, position: int, window: int, gathered: Any) 
             record = parking.parked(shard)
             if record is not None and not record.resident and record.pending is None \
                     and not gathered(pid):
-                parking.prefetch(shard)
+                parking.prefetch(shard, urgent=True)  # an all-gather, then compute, waits for it
                 started += 1
         seen += plan.prefix[k + 1] - plan.prefix[k]
         if seen >= window:
