@@ -70,6 +70,8 @@ class BackwardStep:
             raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the grad of parameter {i} "
                                f"(shape {tuple(p.shape)}) landed twice before step(); call step() "
                                f"after each backward inside step_in_backward()")
+        if not self.landed:
+            self.drop_kept()  # the last step's, which this backward's forward has used
         cost = self.opt._cost(p)
         self._start(i)
         self.landed.append(i)

@@ -183,10 +183,11 @@ class OffloadedOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         early = bool(self.backward_step.landed)
-        self.backward_step.drop_kept()  # the last step's, used by this forward
         if early:
             self._keep_behind(self.backward_step.finish())
         self.backward_step.drop_reads()
+        if not early:
+            self.backward_step.drop_kept()
         active = [p for p in self._params if p.grad is not None or parking.has_grad(p)]
         costs = [self._cost(p) for p in active]
         chunks = [[active[i] for i in run] for run in plan_chunks(costs, self.step_chunk_bytes)]
