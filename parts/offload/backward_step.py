@@ -32,8 +32,10 @@ sum (a stored grad of earlier micro-batches plus the landed one, in that order).
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from typing import TYPE_CHECKING, Optional
+from functools import partial
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -63,6 +65,36 @@ class BackwardStep:
         self.ahead_bytes = self.landed_bytes = self.writes_bytes = 0  # each at most one window or parameter
 
     # ------------------------------------------------------------- during backward
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """``OffloadedOptimizer.step_in_backward``: grads of parked parameters land in ``land``."""
+        records = self._grad_records()
+        for p, record in records:
+            record.on_grad = partial(self.land, p)
+        try:
+            with torch.no_grad():
+                self.read_ahead()
+            yield
+        finally:
+            for _, record in records:
+                record.on_grad = None
+
+    def _grad_records(self) -> list[tuple[torch.Tensor, parking.Parked]]:
+        """(parameter, the record its grads land in) of every parked parameter; raises for masters."""
+        out = []
+        for i, p in enumerate(self.opt._params):
+            record = parking.parked(p)
+            if record is None:
+                continue
+            if record.grad_of is not None or record.on_grad is not None:
+                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: parameter {i} (store key "
+                                   f"{record.key!r}) is a BF16Optimizer master or already inside "
+                                   f"step_in_backward(); a master steps only after the global grad "
+                                   f"norm, so use step_in_backward with fp32 shards (AdamW(shards(model)))")
+            out.append((p, record))
+        return out
+
+    @torch.no_grad()
     def land(self, p: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
         """``p``'s reduce-scattered grad shard arrived: keep it, read ``p`` and step what is ready."""
         i = self.opt._index[id(p)]

@@ -8,7 +8,9 @@ their grad there. ``step()`` walks the parameters in chunks of about ``chunk_byt
 (parameter, grad and state bytes; at most half the store's ``max_inflight_bytes``) as a
 three-stage pipeline: the reads of chunk k+1 are in flight while chunk k is stepped, and
 chunk k's writes run while chunk k+1 is stepped; chunk k-1's memory is freed once its
-writes finished, so at most three chunks are held.
+writes finished, so at most three chunks are held. Inside ``step_in_backward()`` each
+parked parameter is stepped during backward instead, as its grad lands
+(``parts.offload.backward_step``), and ``step()`` finishes.
 
 The pipeline runs across steps (``across_steps=True``, the default): ``step()`` returns with
 the last chunk's writes still in flight (*behind*) and the state of the next step's first
@@ -16,12 +18,9 @@ two chunks being read (*ahead*: state does not depend on grads), so both run dur
 forward and backward. The three-chunk bound holds: with a chunk of ``c`` bytes of which
 ``g`` grad, ``p`` parameter and ``s`` state, the most held is while the next step reads
 its first two chunks' parameters and grads: ``(c - g)`` behind + ``2 s`` ahead + ``2 (p + g)``
-= ``3c - g`` (a third chunk ahead would add ``s``). The next ``step()`` takes them over
-(reads ahead of other chunks than its first are dropped); ``settle()`` waits for the writes
-and drops the reads ahead; the state dicts and every change of state outside ``step()``
-(``load_state_dict``, ``write_state``, ``clear_state``) settle first; a lone read of a key
-waits for its write (the store's per-key order). A parked value whose write is behind stays loaded until it is done: ``parking.drop``
-and ``parking.load`` wait for that write.
+= ``3c - g``. ``settle()`` waits for the writes and drops the reads ahead; the state dicts
+and every change of state outside ``step()`` settle first; a parked value whose write is
+behind stays loaded until it is done (``parking.drop`` and ``parking.load`` wait for it).
 
 The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
 so any optimizer whose update of a parameter depends only on that parameter's grad and
@@ -34,8 +33,7 @@ parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -135,8 +133,7 @@ class OffloadedOptimizer(OptimizerWrapper):
             self.store.delete(self._key(p, name))
 
     # ------------------------------------------------------------------------ stepping
-    @contextlib.contextmanager
-    def step_in_backward(self) -> Iterator[None]:
+    def step_in_backward(self) -> contextlib.AbstractContextManager:
         """Inside, each parked parameter is stepped as soon as its grad shard lands during backward
         (``parts.offload.backward_step``): its grad never goes to the store, and its reads and
         writes run beside backward's compute. Call ``step()`` after that backward (it steps the
@@ -144,35 +141,7 @@ class OffloadedOptimizer(OptimizerWrapper):
         are consumed by the step, as if ``zero_grad()`` followed it (grads of earlier micro-batches
         in the store are added first). Not with ``BF16Optimizer``: its global norm and overflow
         check need every grad before any parameter steps."""
-        records = self._grad_records()
-        for p, record in records:
-            record.on_grad = partial(self._land, p)
-        try:
-            with torch.no_grad():
-                self.backward_step.read_ahead()
-            yield
-        finally:
-            for _, record in records:
-                record.on_grad = None
-
-    def _grad_records(self) -> list[tuple[torch.Tensor, parking.Parked]]:
-        """(parameter, the record its grads land in) of every parked parameter; raises for masters."""
-        out = []
-        for i, p in enumerate(self._params):
-            record = parking.parked(p)
-            if record is None:
-                continue
-            if record.grad_of is not None or record.on_grad is not None:
-                raise RuntimeError(f"OffloadedOptimizer.step_in_backward: parameter {i} (store key "
-                                   f"{record.key!r}) is a BF16Optimizer master or already inside "
-                                   f"step_in_backward(); a master steps only after the global grad "
-                                   f"norm, so use step_in_backward with fp32 shards (AdamW(shards(model)))")
-            out.append((p, record))
-        return out
-
-    @torch.no_grad()
-    def _land(self, p: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
-        self.backward_step.land(p, grad, accumulate)
+        return self.backward_step.session()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
@@ -183,8 +152,10 @@ class OffloadedOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         early = bool(self.backward_step.landed)
-        if early:
-            self._keep_behind(self.backward_step.finish())
+        if early:  # the writes it leaves in flight join the last step's
+            behind = self.backward_step.finish()
+            behind.absorb(self._behind or _Batch())
+            self._behind = behind
         self.backward_step.drop_reads()
         if not early:
             self.backward_step.drop_kept()
@@ -195,13 +166,6 @@ class OffloadedOptimizer(OptimizerWrapper):
         if early and self.across_steps:
             self.backward_step.read_ahead()  # the next backward's first landings
         return loss
-
-    def _keep_behind(self, writes: _Batch) -> None:
-        """Add ``writes`` to the writes a step leaves in flight."""
-        if self._behind is None:
-            self._behind = writes
-        else:
-            self._behind.absorb(writes)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero (or drop) the grads, those of parked parameters in the store included."""
