@@ -2,14 +2,18 @@
 
 ``DiskStore(path)`` keeps one rank's tensors in scratch files with asynchronous reads and
 writes on IO threads; ``OffloadedOptimizer`` steps any torch optimizer with its state in a
-store, chunk by chunk; ``partitioned(remote_device=DiskStore(...))`` puts parameter shards
-there and the coordinator reads them ahead along its trace.
+store, chunk by chunk, or during backward as each grad lands (``step_in_backward``);
+``partitioned(remote_device=DiskStore(...))`` puts parameter shards there and the coordinator
+reads them ahead along its trace.
 
 Example::
 
     store = DiskStore("/scratch")                       # one per rank
     optimizer = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store)
     loss.backward(); optimizer.step(); optimizer.zero_grad()
+    with optimizer.step_in_backward():                  # shards on disk: step as grads land
+        loss.backward()
+    optimizer.step(); optimizer.zero_grad()
 """
 
 from parts.offload.optimizer import OffloadedOptimizer
