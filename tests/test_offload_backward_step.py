@@ -5,16 +5,19 @@ the context, do); reads started ahead along the last landing order are used or d
 writer shows no buffer is freed or reused while its write is in flight.
 """
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from harness import run
-from test_coordinator_models import batch
+from test_coordinator_models import GPT, batch
 from test_offload_partition import KNOBS, _build
 from test_offload_pipeline import _slow_writes
 from parts.offload import DiskStore, OffloadedOptimizer, _fileio, parking
-from parts.partition import attach, detach, full_state_dict, shards
+from parts.optim import BF16Optimizer
+from parts.partition import attach, detach, full_state_dict, partitioned, shards
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -157,3 +160,31 @@ def test_step_in_backward_refusals(tmp_path):
     assert len(errors) == 2
     assert "landed twice before step()" in errors[0]
     assert "call step() first" in errors[1]
+
+
+def body_bf16_refused(tmp):
+    rank = dist.get_rank()
+    store = DiskStore(f"{tmp}/r{rank}", block_bytes=4096)
+    torch.manual_seed(0)
+    with partitioned(dtype=torch.bfloat16, remote_device=store):
+        model = GPT(layers=2)
+    attach(model, **KNOBS)
+    inner = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), store, chunk_bytes=6000)
+    opt = BF16Optimizer(inner, clip_grad=0.05)
+    try:
+        with inner.step_in_backward():
+            pass
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    model(*batch(0, 4, 8 * rank)).backward()  # the refusal left nothing behind: a normal step works
+    opt.step()
+    detach(model)
+    store.close()
+    return message, math.isfinite(opt.last_grad_norm)
+
+
+def test_step_in_backward_refuses_bf16_masters(tmp_path):
+    message, stepped = run(1, body_bf16_refused, str(tmp_path))[0]
+    assert "BF16Optimizer master" in message and "key 'master/" in message, message
+    assert stepped

@@ -1,5 +1,6 @@
 """Faults with shards on disk: a full disk is a clear error, a killed rank; checkpoints survive both."""
 
+import contextlib
 import errno
 import os
 import signal
@@ -30,8 +31,10 @@ def _setup(tmp, on_disk):
     return rank, store, model, opt
 
 
-def _step(model, opt, step, rank):
-    model(*batch(step, 4, 4 * rank)).backward()
+def _step(model, opt, step, rank, in_backward=False):
+    loss = model(*batch(step, 4, 4 * rank))
+    with opt.step_in_backward() if in_backward else contextlib.nullcontext():
+        loss.backward()
     opt.step()
     opt.zero_grad()
 
@@ -53,10 +56,10 @@ def body_reference(tmp):
     return weights, state
 
 
-def body_disk_fills(tmp):
+def body_disk_fills(tmp, in_backward):
     """Step 0, checkpoint, then the device fills up during step 1: a clear error, named bytes."""
     rank, store, model, opt = _setup(tmp, on_disk=True)
-    _step(model, opt, 0, rank)
+    _step(model, opt, 0, rank, in_backward)
     _checkpoint(tmp, model, opt, rank)
     real, budget = _fileio.OPS.pwritev, [200_000]
 
@@ -69,7 +72,7 @@ def body_disk_fills(tmp):
 
     _fileio.OPS.pwritev = filling
     try:
-        _step(model, opt, 1, rank)
+        _step(model, opt, 1, rank, in_backward)
         return "no error"
     except OSError as e:
         return str(e)
@@ -90,17 +93,18 @@ def _compare(tmp, reference, world):
         assert all(torch.equal(state[i][k], ref[i][k]) for i in ref for k in ref[i])
 
 
-def test_full_disk_is_loud_and_the_checkpoint_loads(tmp_path):
-    messages = run(2, body_disk_fills, str(tmp_path))
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_full_disk_is_loud_and_the_checkpoint_loads(tmp_path, in_backward):
+    messages = run(2, body_disk_fills, str(tmp_path), in_backward)
     for message in messages:
         assert "no space for" in message and "bytes in" in message and "parts-store-" in message, message
     _compare(tmp_path, run(2, body_reference, str(tmp_path / "ref")), 2)
 
 
-def body_killed(tmp):
+def body_killed(tmp, in_backward):
     """Step 0, checkpoint, then rank 1 is killed while its optimizer writes state back."""
     rank, store, model, opt = _setup(tmp, on_disk=True)
-    _step(model, opt, 0, rank)
+    _step(model, opt, 0, rank, in_backward)
     _checkpoint(tmp, model, opt, rank)
     if rank == 1:
         real = store.write
@@ -111,12 +115,13 @@ def body_killed(tmp):
             return real(key, tensor)
 
         store.write = die
-    _step(model, opt, 1, rank)
-    _step(model, opt, 2, rank)
+    _step(model, opt, 1, rank, in_backward)
+    _step(model, opt, 2, rank, in_backward)
     return "finished"
 
 
-def test_killed_rank_leaves_the_checkpoint_loadable(tmp_path):
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_killed_rank_leaves_the_checkpoint_loadable(tmp_path, in_backward):
     with pytest.raises(RankFailure, match="rank 1 of 2 died"):
-        run(2, body_killed, str(tmp_path), timeout=60)
+        run(2, body_killed, str(tmp_path), in_backward, timeout=60)
     _compare(tmp_path, run(2, body_reference, str(tmp_path / "ref")), 2)
