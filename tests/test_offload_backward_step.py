@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 
 from harness import run
-from test_coordinator_models import GPT, batch
+from test_coordinator_models import batch
+from test_offload_bf16 import _build as _build_bf16
 from test_offload_partition import KNOBS, _build
 from test_offload_pipeline import _slow_writes
 from parts.offload import DiskStore, OffloadedOptimizer, _fileio, parking
 from parts.optim import BF16Optimizer
-from parts.partition import attach, detach, full_state_dict, partitioned, shards
+from parts.partition import attach, detach, full_state_dict, shards
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -165,9 +166,7 @@ def test_step_in_backward_refusals(tmp_path):
 def body_bf16_refused(tmp):
     rank = dist.get_rank()
     store = DiskStore(f"{tmp}/r{rank}", block_bytes=4096)
-    torch.manual_seed(0)
-    with partitioned(dtype=torch.bfloat16, remote_device=store):
-        model = GPT(layers=2)
+    model = _build_bf16(store)
     attach(model, **KNOBS)
     inner = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), store, chunk_bytes=6000)
     opt = BF16Optimizer(inner, clip_grad=0.05)
