@@ -23,11 +23,12 @@ loaded after their writes, for that forward's all-gathers, which drop them.
 Memory (bytes above the model's, per rank), with ``m = max(window_bytes, largest parameter's
 param + grad + state bytes)``: reads started ahead of their landing at most ``m`` (a read
 starts only if it fits the window, or if none is ahead); landed parameters waiting for their
-reads at most ``m`` (while they pass the window the oldest is stepped, waiting for its reads); writes in flight at most ``m`` (the oldest is waited before more would pass it).
-In forward the landed stage is empty and the kept shards take its place: three ``m`` at
-any time, the three chunks of ``memory_bound``. Bitwise: a parameter's update depends only on its own
-grad and state, so stepping it alone or in a chunk gives the same bits; the grad is the same
-sum (a stored grad of earlier micro-batches plus the landed one, in that order).
+reads at most ``m`` (while they pass the window the oldest is stepped, waiting for its
+reads); writes in flight at most ``m`` (the oldest is waited before more would pass it). In
+forward the landed stage is empty and the kept shards take its place: three ``m`` at any
+time, the three chunks of ``memory_bound``. Bitwise: a parameter's update depends only on
+its own grad and state, so stepping it alone or in a chunk gives the same bits; the grad is
+the same sum (a stored grad of earlier micro-batches plus the landed one, in that order).
 """
 
 from __future__ import annotations
