@@ -151,6 +151,16 @@ TRAIN_GPT_TINY = ("--steps", "6", "--n-layer", "2", "--n-embd", "64", "--seq-len
                   "--sample-chars", "16", "--dtype", "fp32", "--out", "{workdir}/gpt.ckpt",
                   "--plot", "{workdir}/loss.png")
 
+def check_train_offload(out: str, workdir: Path) -> None:
+    losses = [float(v) for (v,) in rows(r"^\[[#.]+\] \d+/3 loss ([\d.]+)", out)]
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses), out
+    (before, after), = rows(r"^step 1's batch: loss before -> after training\s+([\d.]+) -> ([\d.]+)", out)
+    assert float(before) == losses[0] and float(after) < float(before), out  # it learned
+    assert "parts.offload (on disk)" in out and "store per rank" in out
+    leftovers = [p for p in (workdir / "store").rglob("*") if p.is_file()]
+    assert leftovers == [], leftovers  # the scratch files are gone at exit
+
+
 def check_train_gpt_2d(out: str, workdir: Path) -> None:
     assert "grid: 2 dp x 2 tp" in out, out
     losses = [float(v) for (v,) in rows(r"^step\s+\d+\s+loss ([\d.]+)", out)]
@@ -166,6 +176,10 @@ CASES = [
     Case("memory_probe", "memory_probe.py",
          ("--nlayers", "6", "--hidden-dim", "256", "--dtype", "fp32", "--forwards", "1"), check_memory_probe),
     Case("zero1_bf16", "zero1_bf16.py", ("--steps", "6"), check_zero1_bf16),
+    # shards and AdamW state on disk, the optimizer stepping during backward
+    Case("train_offload", "train_offload.py",
+         ("--params", "25M", "--steps", "3", "--lr", "1e-4", "--store", "{workdir}/store"),
+         check_train_offload, launches=1),
     Case("checkpoint_only", "checkpoint_only.py",
          ("--layers", "3", "--n-embd", "64", "--seq-len", "32", "--batch-size", "2"), check_checkpoint_only),
     Case("finetune_from_state_dict", "finetune_from_state_dict.py",
