@@ -14,7 +14,7 @@ import torch.distributed as dist
 from harness import run
 from test_coordinator_models import batch
 from test_offload_bf16 import _build as _build_bf16
-from test_offload_partition import KNOBS, _build
+from test_offload_partition import KNOBS, _build, _train
 from test_offload_pipeline import _slow_writes
 from parts.offload import DiskStore, OffloadedOptimizer, _fileio, parking
 from parts.optim import BF16Optimizer
@@ -25,31 +25,6 @@ OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
     "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
 }
-
-
-def _train(model, opt, steps, rank, in_backward=False, micro_on=1):
-    """Steps of 4 rows per rank; step ``micro_on`` accumulates two micro-batches of 2 (the last
-    backward of a step runs inside ``step_in_backward`` when ``in_backward``)."""
-    losses = []
-    for step in range(steps):
-        micro = [(0, 2), (2, 2)] if step == micro_on else [(0, 4)]
-        for k, (off, rows) in enumerate(micro):
-            loss = model(*batch(step, rows, 8 * rank + off))
-            last = k == len(micro) - 1
-            with opt.step_in_backward() if in_backward and last else _nothing():
-                loss.backward()
-            losses.append(loss.detach().clone())
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _grad_writes(store, counted):

@@ -1,5 +1,7 @@
 """Shards on disk (partitioned(remote_device=DiskStore)): bitwise the in-memory run, reads ahead."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,14 +24,17 @@ def _build(remote, seed=0):
         return GPT(layers=3)
 
 
-def _train(model, opt, steps, rank, micro_on=1):
-    """Steps of 4 rows per rank; step ``micro_on`` accumulates two micro-batches of 2."""
+def _train(model, opt, steps, rank, micro_on=1, in_backward=False):
+    """Steps of 4 rows per rank; step ``micro_on`` accumulates two micro-batches of 2 (the last
+    backward of a step runs inside ``opt.step_in_backward()`` when ``in_backward``)."""
     losses = []
     for step in range(steps):
         micro = [(0, 2), (2, 2)] if step == micro_on else [(0, 4)]
-        for off, rows in micro:
+        for k, (off, rows) in enumerate(micro):
             loss = model(*batch(step, rows, 8 * rank + off))
-            loss.backward()
+            last = in_backward and k == len(micro) - 1
+            with opt.step_in_backward() if last else contextlib.nullcontext():
+                loss.backward()
             losses.append(loss.detach().clone())
         opt.step()
         opt.zero_grad()

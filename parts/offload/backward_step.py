@@ -150,8 +150,9 @@ class BackwardStep:
         """Step the landed parameters whose reads are done once they make a quarter window (all of
         them if ``block``), then start their writes."""
         chunk, ready = [], 0
-        for p in self._landed_params():
-            batch, cost = self._reads[self.opt._index[id(p)]]
+        for i in self.landed[len(self.stepped):]:
+            batch, cost = self._reads[i]
+            p = self.opt._params[i]
             if not (block or (batch.done and parking.ready(p))):
                 break
             chunk.append(p)
@@ -163,8 +164,8 @@ class BackwardStep:
 
     def _step(self, chunk: list[torch.Tensor]) -> None:
         """Install the chunk's reads and grads, step it, start its writes."""
-        for p in chunk:
-            i = self.opt._index[id(p)]
+        ids = [self.opt._index[id(p)] for p in chunk]
+        for i, p in zip(ids, chunk):
             batch, cost = self._reads.pop(i)
             batch.finish()
             self._install_grad(p, *self._grads.pop(i))
@@ -173,11 +174,12 @@ class BackwardStep:
         self.opt._step_only(chunk)
         for hook in self.opt.after_step:
             hook(chunk)
-        kept = [p for p in chunk if self.opt._index[id(p)] in self._tail]
-        for p in chunk:
-            if parking.parked(p) is not None and self.opt._index[id(p)] not in self._tail:
+        kept = [p for i, p in zip(ids, chunk) if i in self._tail]
+        for i, p in zip(ids, chunk):
+            if parking.parked(p) is not None and i not in self._tail:
                 parking.unhold(p)  # the write's ``after`` releases it once saved
-        nbytes = sum(p.numel() * p.element_size() * (1 + len(self.opt.stored_keys(p))) for p in chunk)
+        # what the writes hold: parameter and state bytes (``_cost`` less the grad)
+        nbytes = sum(self.opt._cost(p) - p.numel() * p.element_size() for p in chunk)
         self._reap(nbytes, block=False)
         writes = self.opt._write(chunk)
         for p in kept:  # stays loaded for the next forward's first all-gathers (its release drops it)
