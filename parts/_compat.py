@@ -8,6 +8,7 @@ torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
@@ -25,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "can_swap_storage_data", "swap_storage_data",
            "in_backward", "on_backward_end", "default_torch_function", "incompatible_keys",
            "init_optimizer_hooks", "TENSOR_BASE", "TorchDispatchMode", "dynamo_counters",
-           "counting_backend", "storage_less_tensor"]
+           "counting_backend", "storage_less_tensor", "never_compiled"]
 
 TENSOR_BASE = torch._C.TensorBase
 """The C base class of ``torch.Tensor`` (the ``__objclass__`` of its methods)."""
@@ -129,3 +130,38 @@ def storage_less_tensor(cls: type, shape: Any, dtype: torch.dtype, device: torch
     (``parts.comm.dcp.ShardView``: its data lives in the tensors it points to)."""
     return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device,
                                                requires_grad=False)
+
+
+try:  # the C half of dynamo, loaded with torch (importing torch._dynamo itself takes seconds)
+    from torch._C._dynamo import eval_frame as _eval_frame
+except ImportError:  # a build without dynamo: nothing can trace the hooks
+    _eval_frame = None
+
+
+def _skip_frames_of(code: Any) -> None:
+    """Dynamo's ``skip_code``: frames running ``code`` are never converted."""
+    if hasattr(_eval_frame, "set_code_exec_strategy"):
+        action = _eval_frame._FrameAction
+        _eval_frame.set_code_exec_strategy(code, _eval_frame._FrameExecStrategy(action.SKIP, action.DEFAULT))
+    elif hasattr(_eval_frame, "skip_code"):
+        _eval_frame.skip_code(code)
+
+
+def never_compiled(fn: Callable, reason: str) -> Callable:
+    """``fn`` as ``torch.compiler.disable(fn, reason=reason)`` makes it (a graph break where
+    dynamo traces a caller, run eagerly with dynamo off inside), without importing torch._dynamo."""
+    if _eval_frame is None:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        prior = _eval_frame.set_eval_frame(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _eval_frame.set_eval_frame(prior)
+
+    _skip_frames_of(run.__code__)
+    run._torchdynamo_disable, run._torchdynamo_disable_msg = True, reason
+    run._torchdynamo_orig_callable = fn
+    return run

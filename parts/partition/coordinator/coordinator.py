@@ -47,7 +47,8 @@ from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_gra
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence, StepCheck
 from parts.partition.coordinator.flat import FlatGather, FlatReduce
-from parts.partition.coordinator.hooks import AttachedLookup, ModuleHooks, register_pre_backward
+from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, RunningUnits, eager,
+                                               register_pre_backward)
 from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.prefetch import Prefetcher
@@ -196,6 +197,7 @@ class FetchCoordinator:
         self._bwd_phase: Optional[str] = None
         self._bwd_creates_graph = False
         self._units: dict[int, int] = {}  # submodule index -> its fused block's (compiled.py)
+        self._running = RunningUnits()  # which unit's own parameter reads are not external
 
     def _hook(self, index: int) -> None:
         """Hook the module at ``index``: a unit root fetches (lightly if it holds flat persistent
@@ -214,7 +216,8 @@ class FetchCoordinator:
             hooks.install(partial(pre, index), partial(post, index))
         own = [meta(p).id for p in sub.parameters(recurse=False)]
         if own and not self._all_flat(own):  # flat persistent params are gathered whoever reads them
-            hooks.watch(self.table.unit[index], self._on_param_read)
+            unit = self.table.unit[index]
+            hooks.watch(unit, self._on_param_read, self._running.flag(unit))
 
     def _all_flat(self, ids: list) -> bool:
         """True if every id is a flat persistent parameter (gathered for the whole step: flat.py)."""
@@ -241,6 +244,7 @@ class FetchCoordinator:
         if self.table.add_external(index, pid):
             self._hook(index)
 
+    @eager
     def _on_param_read(self, owner: int, param: nn.Parameter) -> None:
         """A module read a parameter of ``owner``; inside another module's forward, fetch it."""
         if not self._stack or self._root is None:
@@ -286,24 +290,29 @@ class FetchCoordinator:
         return last if last is not None else self._last
 
     # ---------------------------------------------------------------- forward hooks
+    @eager
     def _pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
         if self._root is None:
             return
         phase = self._phase_of(module)
         call = ModuleCall(index, phase, list(self.table.sets[index]))
         self._stack.append(call)
+        self._running.mark(index)
         self._fetch(call, FORWARD)
 
+    @eager
     def _pre_forward_light(self, index: int, module: nn.Module, args: tuple) -> None:
         """A unit of flat persistent params only: within a step nothing to fetch (they are gathered
         from its start to its end) nor to trace; called outside any forward, a call of its own."""
         if not self._stack:
             self._pre_forward(index, module, args)
 
+    @eager
     def _post_forward_light(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._stack and self._stack[-1].index == index:
             self._post_forward(index, module, args, output)
 
+    @eager
     def _post_forward(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         if self._root is None or not self._stack:
             return
@@ -336,6 +345,7 @@ class FetchCoordinator:
                 for dropped in self._stack[k:]:  # aborted inner calls (e.g. checkpoint early stop)
                     self.live.done_with(dropped.ids, self.steps.get(dropped.phase))
                 del self._stack[k:]
+                self._running.mark(self._stack[-1].index if self._stack else None)
                 return call
         return None
 

@@ -13,12 +13,25 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from parts._compat import graph_task_id
+from parts._compat import graph_task_id, never_compiled
 
 
-__all__ = ["AttachedLookup", "WatchedParameters", "register_pre_backward", "tensors_in", "ModuleHooks"]
+__all__ = ["eager", "EAGER_REASON", "AttachedLookup", "RunningUnits", "UnitFlag", "WatchedParameters",
+           "register_pre_backward", "tensors_in", "ModuleHooks"]
 
 _MAX_DEPTH = 8
+
+EAGER_REASON = (
+    "parts: the fetch coordinator's hooks gather and release sharded parameters (collectives) "
+    "and run eagerly between compiled regions, so an attached model compiles with a graph break "
+    "at each fetch unit. fullgraph=True cannot hold them: compile without fullgraph, or compile "
+    "one graph per block with parts.partition.compile_blocks(model, blocks, fullgraph=True)")
+
+
+def eager(fn: Callable) -> Callable:
+    """``fn`` (a coordinator hook) run eagerly where ``torch.compile`` traces its caller."""
+    return never_compiled(fn, EAGER_REASON)
+
 
 
 def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -65,6 +78,46 @@ def register_pre_backward(output: Any, fire: Callable[[], None]) -> bool:
     return True
 
 
+class UnitFlag:
+    """Whether a fetch unit is the innermost module running forward (``RunningUnits``)."""
+
+    __slots__ = ("running",)
+
+    def __init__(self) -> None:
+        self.running = False
+
+
+class RunningUnits:
+    """One ``UnitFlag`` per watched unit, True for the unit on top of the coordinator's stack.
+
+    A watched read by the running unit itself is no external use: the flag skips the call
+    into the coordinator, and under ``torch.compile`` it keeps a block's own parameter reads
+    inside its graph (dynamo guards on the flag's value, the same for every block).
+    """
+
+    def __init__(self) -> None:
+        self.flags: dict[int, UnitFlag] = {}
+        self.top: Optional[int] = None
+
+    def flag(self, unit: int) -> UnitFlag:
+        """The flag of ``unit`` (made on first request)."""
+        flag = self.flags.get(unit)
+        if flag is None:
+            flag = self.flags[unit] = UnitFlag()
+            flag.running = unit == self.top
+        return flag
+
+    def mark(self, top: Optional[int]) -> None:
+        """``top`` (a unit index, None outside forward) is now the innermost running unit."""
+        if top == self.top:
+            return
+        for index, running in ((self.top, False), (top, True)):
+            flag = self.flags.get(index)
+            if flag is not None:
+                flag.running = running
+        self.top = top
+
+
 class WatchedParameters(dict):
     """A module's ``_parameters`` that reports reads made while another module runs forward.
 
@@ -74,16 +127,16 @@ class WatchedParameters(dict):
     fetches the parameter and remembers it for that module.
     """
 
-    __slots__ = ("owner_index", "on_read")
+    __slots__ = ("owner_index", "on_read", "unit")
 
-    def __init__(self, items: dict, owner_index: int, on_read: Callable[[int, Any], None]) -> None:
+    def __init__(self, items: dict, owner_index: int, on_read: Callable[[int, Any], None],
+                 unit: UnitFlag) -> None:
         super().__init__(items)
-        self.owner_index = owner_index
-        self.on_read = on_read
+        self.owner_index, self.on_read, self.unit = owner_index, on_read, unit
 
     def __getitem__(self, name: str) -> Any:
         value = dict.__getitem__(self, name)
-        if value is not None:
+        if value is not None and not self.unit.running:
             self.on_read(self.owner_index, value)
         return value
 
@@ -102,10 +155,10 @@ class ModuleHooks:
         self.handles.append(self.module.register_forward_pre_hook(pre, prepend=True))
         self.handles.append(self.module.register_forward_hook(post, always_call=True))
 
-    def watch(self, owner_index: int, on_read: Callable[[int, Any], None]) -> None:
+    def watch(self, owner_index: int, on_read: Callable[[int, Any], None], unit: UnitFlag) -> None:
         """Replace the module's ``_parameters`` with a ``WatchedParameters`` of the same items."""
         params = self.module.__dict__["_parameters"]
-        self.module.__dict__["_parameters"] = WatchedParameters(dict(params), owner_index, on_read)
+        self.module.__dict__["_parameters"] = WatchedParameters(dict(params), owner_index, on_read, unit)
         self.watched = True
 
     def remove(self) -> None:
