@@ -16,7 +16,7 @@ when DCP loads them, one at a time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -24,8 +24,9 @@ from torch import nn
 from parts.comm.dcp import ShardView, is_deferred, same_piece, settle
 from parts.partition.core import disk
 
-if TYPE_CHECKING:
-    from .bf16_optimizer import BF16Optimizer
+from .flat_group import FlatGroup
+from .masters import Masters
+from .sharded import ShardedParam
 
 __all__ = ["sharded_state_dict", "load_sharded_state_dict"]
 
@@ -34,7 +35,7 @@ def _fqn_of(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _chunk_segments(fg: Any, pc: Any, tensors: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+def _chunk_segments(fg: FlatGroup, pc: Any, tensors: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
     """``(flat start in the parameter, view)`` of piece ``pc`` split over the step chunks' ``tensors``."""
     out, n = [], pc.stop - pc.start
     for (cs, cl), t in zip(fg.chunks, tensors):
@@ -49,19 +50,19 @@ def _elementwise(value: Any, like: Any) -> bool:
     return (torch.is_tensor(value) or is_deferred(value)) and value.dim() >= 1 and value.numel() == like.numel()
 
 
-def _state_of(inner: Any, target: torch.Tensor) -> dict:
+def _state_of(inner: torch.optim.Optimizer, target: torch.Tensor) -> dict:
     """The wrapped optimizer's state of ``target``; an ``OffloadedOptimizer``'s stored tensors as ``Stored``."""
     stored = getattr(inner, "stored_state", None)
     return stored(target) if stored is not None else inner.state.get(target, {})
 
 
-def _master(s: Any) -> Any:
+def _master(s: ShardedParam) -> Any:
     """A sharded param's fp32 master: the tensor, or (offloaded) its ``Stored`` bytes."""
     stored = disk.stored(s.master)
     return s.master if stored is None else stored
 
 
-def _ensure_state(opt: "BF16Optimizer") -> None:
+def _ensure_state(opt: Masters) -> None:
     """Give the wrapped optimizer its state if it has none: one step with lr 0 on zero grads."""
     inner = opt.optimizer
     targets = [p for g in inner.param_groups for p in g["params"]]
@@ -82,7 +83,7 @@ def _ensure_state(opt: "BF16Optimizer") -> None:
             p.grad = grad
 
 
-def _entries(opt: "BF16Optimizer", fqn: dict[int, str]) -> list[tuple[str, torch.Size, list, list, dict, int]]:
+def _entries(opt: Masters, fqn: dict[int, str]) -> list[tuple[str, torch.Size, list, list, dict, int]]:
     """Per parameter: (FQN, shape, master segments, per-key state tensors list, scalars, group)."""
     inner, out = opt.optimizer, []
     for g, fg in enumerate(opt.flat_groups):
@@ -113,14 +114,14 @@ def _view(shape: torch.Size, segments: list, name: str) -> ShardView:
                      name=name)
 
 
-def sharded_state_dict(opt: "BF16Optimizer", model: nn.Module) -> dict[str, Any]:
+def sharded_state_dict(opt: Masters, model: nn.Module) -> dict[str, Any]:
     """``opt``'s state as DCP views keyed by the model's FQNs (see the module docstring)."""
     opt.sync_masters()
     _ensure_state(opt)
     return _views(opt, model)
 
 
-def _views(opt: "BF16Optimizer", model: nn.Module) -> dict[str, Any]:
+def _views(opt: Masters, model: nn.Module) -> dict[str, Any]:
     """The views of ``opt``'s masters and state as they are now."""
     state, master, names = {}, {}, [[] for _ in opt.optimizer.param_groups]
     for name, shape, segs, per_key, scalars, g in _entries(opt, _fqn_of(model)):
@@ -133,7 +134,7 @@ def _views(opt: "BF16Optimizer", model: nn.Module) -> dict[str, Any]:
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None}
 
 
-def _install_scalars(opt: "BF16Optimizer", state: Mapping[str, Any], fqn: dict[int, str]) -> None:
+def _install_scalars(opt: Masters, state: Mapping[str, Any], fqn: dict[int, str]) -> None:
     """Loaded replicated entries (``step``...) of each parameter onto every state dict holding them."""
     inner = opt.optimizer
     for name, shape, segs, per_key, scalars, g in _entries(opt, fqn):
@@ -151,7 +152,7 @@ def _install_scalars(opt: "BF16Optimizer", state: Mapping[str, Any], fqn: dict[i
                     inner.state[target][k] = value
 
 
-def _holders(opt: "BF16Optimizer", g: int, name: str, fqn: dict[int, str]) -> list[torch.Tensor]:
+def _holders(opt: Masters, g: int, name: str, fqn: dict[int, str]) -> list[torch.Tensor]:
     """The wrapped optimizer's tensors whose state holds ``name``'s scalars (a flat group: every chunk)."""
     fg = opt.flat_groups[g]
     if fg is not None and name in {fqn.get(id(p), n) for p, n in zip(fg.params, fg.names)}:
@@ -159,7 +160,7 @@ def _holders(opt: "BF16Optimizer", g: int, name: str, fqn: dict[int, str]) -> li
     return [s.master for s in opt.sharded_groups[g] if fqn.get(id(s.param), s.name) == name]
 
 
-def load_sharded_state_dict(opt: "BF16Optimizer", model: nn.Module, state: Mapping[str, Any]) -> None:
+def load_sharded_state_dict(opt: Masters, model: nn.Module, state: Mapping[str, Any]) -> None:
     """Install what ``dcp.load`` filled into ``sharded_state_dict(opt, model)``; masters written back."""
     if not isinstance(state, Mapping) or not {"state", "param_groups", "master"} <= set(state):
         raise ValueError("BF16Optimizer.load_sharded_state_dict: state must be the dict its sharded_state_dict "

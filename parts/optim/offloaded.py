@@ -19,10 +19,13 @@ import torch
 
 from parts.partition.core import disk
 
+from .masters import Masters
+from .sharded import ShardedParam
+
 __all__ = ["setup", "lazy_grad", "materialize", "set_grad_scale"]
 
 
-def setup(opt: Any) -> None:
+def setup(opt: Masters) -> None:
     """Park the masters of parked shards if the wrapped optimizer can step them, else raise; an
     ``OffloadedOptimizer`` inside takes the masters the wrapper put in its groups."""
     sharded = [(g, i, s) for g, group in enumerate(opt.sharded_groups) for i, s in enumerate(group)
@@ -52,7 +55,7 @@ def write_back_chunk(by_master: dict, chunk: list[torch.Tensor]) -> None:
             s.write_back_loaded()
 
 
-def lazy_grad(s: Any) -> Callable[[], torch.Tensor]:
+def lazy_grad(s: ShardedParam) -> Callable[[], torch.Tensor]:
     """A deferred read of an offloaded sharded param's grad (real elements)."""
     return s.stored_grad
 
@@ -62,7 +65,7 @@ def materialize(g: Any) -> torch.Tensor:
     return g() if callable(g) else g
 
 
-def set_grad_scale(opt: Any, grads: list, coef: torch.Tensor) -> list[torch.Tensor]:
+def set_grad_scale(opt: Masters, grads: list, coef: torch.Tensor) -> list[torch.Tensor]:
     """Grads in memory (to be scaled now); the wrapped optimizer scales stored ones as it reads them."""
     if any(callable(g) for g in grads):
         opt.optimizer.grad_scale = coef if float(coef) != 1.0 else None

@@ -10,7 +10,7 @@ tensors, numbers, strings, lists, tuples and dicts: ``torch.load(weights_only=Tr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -20,17 +20,15 @@ from . import _collectives as C
 from . import inner_state
 from .inner_state import is_elementwise as _is_elementwise
 from .load_checks import group_options
+from .flat_group import FlatGroup
+from .masters import Masters
 from .reader import FORMAT, Reader
-
-if TYPE_CHECKING:  # the optimizer imports this module
-    from .bf16_optimizer import BF16Optimizer
-    from .flat_group import FlatGroup
-    from .sharded import ShardedParam
+from .sharded import ShardedParam
 
 __all__ = ["rank_state_dict", "consolidated_state_dict", "load", "full_param_tensor",
            "full_grad_tensor", "flat_state", "set_flat_state"]
 
-def flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup") -> dict:
+def flat_state(inner: torch.optim.Optimizer, fg: FlatGroup) -> dict:
     """The wrapped optimizer's state of ``fg``'s master chunks, merged into partition-sized tensors."""
     states = [inner_state.full(inner, c) for c in fg.master_chunks]
     if not states or not states[0]:
@@ -45,7 +43,7 @@ def flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup") -> dict:
     return out
 
 
-def set_flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup", state: dict) -> None:
+def set_flat_state(inner: torch.optim.Optimizer, fg: FlatGroup, state: dict) -> None:
     """Split partition-sized ``state`` over ``fg``'s master chunks (each gets its own scalars)."""
     for chunk, (start, length) in zip(fg.master_chunks, fg.chunks):
         inner_state.replace(inner, chunk, {
@@ -64,11 +62,11 @@ def _split_state(state: dict, master: torch.Tensor, real: int) -> tuple[dict, di
     return elem, other
 
 
-def _options(opt: "BF16Optimizer") -> list[dict]:
+def _options(opt: Masters) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
 
 
-def _param_meta(opt: "BF16Optimizer") -> list[dict]:
+def _param_meta(opt: Masters) -> list[dict]:
     out = []
     for g, fg in enumerate(opt.flat_groups):
         for i, (p, name) in enumerate(zip(fg.params if fg else [], fg.names if fg else [])):
@@ -86,13 +84,13 @@ def _record(master: torch.Tensor, state: dict, real: int, start: int) -> dict:
             "state": elem, "scalars": other}
 
 
-def _scalars(opt: "BF16Optimizer", master: torch.Tensor) -> dict:
+def _scalars(opt: Masters, master: torch.Tensor) -> dict:
     """Copies of ``master``'s state entries that are not per-element (step counters...)."""
     return {k: v.clone() if torch.is_tensor(v) else v
             for k, v in inner_state.scalars(opt.optimizer, master).items()}
 
 
-def _sharded_record(opt: "BF16Optimizer", s: "ShardedParam") -> dict:
+def _sharded_record(opt: Masters, s: ShardedParam) -> dict:
     """``_record`` of one sharded param, one tensor at a time (offloaded ones read from the store)."""
     real, start = s.real_numel(), s.layout.range(opt.rank)[0]
     with s.peek_master():
@@ -103,7 +101,7 @@ def _sharded_record(opt: "BF16Optimizer", s: "ShardedParam") -> dict:
             "scalars": _scalars(opt, s.master)}
 
 
-def rank_state_dict(opt: "BF16Optimizer") -> dict:
+def rank_state_dict(opt: Masters) -> dict:
     """This rank's checkpoint: real master/state elements, options and parameter metadata."""
     opt.sync_masters()
     groups = []
@@ -122,14 +120,14 @@ def rank_state_dict(opt: "BF16Optimizer") -> dict:
             "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler else None}
 
 
-def _gather_full(opt: "BF16Optimizer", master: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+def _gather_full(opt: Masters, master: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
     full = C.all_gather_partition(master, opt.comm)
     elem = {k: C.all_gather_partition(v.reshape(-1), opt.comm)
             for k, v in state.items() if _is_elementwise(v, master)}
     return full, elem
 
 
-def _full_sharded(opt: "BF16Optimizer", s: "ShardedParam", key: Optional[str],
+def _full_sharded(opt: Masters, s: ShardedParam, key: Optional[str],
                   keep: bool = True) -> Optional[torch.Tensor]:
     """The full master (``key`` None) or state ``key`` of one sharded param, gathered from its one
     local tensor (read from the store if offloaded), padding cut; None if not ``keep``."""
@@ -141,7 +139,7 @@ def _full_sharded(opt: "BF16Optimizer", s: "ShardedParam", key: Optional[str],
     return full.narrow(0, 0, s.numel).view(s.shape).clone() if keep else None
 
 
-def consolidated_state_dict(opt: "BF16Optimizer") -> Optional[dict]:
+def consolidated_state_dict(opt: Masters) -> Optional[dict]:
     """Full per-parameter fp32 master and state on rank 0, one group at a time (a collective)."""
     opt.sync_masters()
     masters, states, scalars = {}, {}, {}
@@ -196,7 +194,7 @@ def _fill(reader: Reader, master: torch.Tensor, pieces: list[tuple[str, int, int
     return state
 
 
-def _model_shapes(opt: "BF16Optimizer") -> dict[str, Sequence[int]]:
+def _model_shapes(opt: Masters) -> dict[str, Sequence[int]]:
     """Name -> shape of every parameter ``opt`` manages."""
     out: dict[str, Sequence[int]] = {}
     for g, fg in enumerate(opt.flat_groups):
@@ -206,7 +204,7 @@ def _model_shapes(opt: "BF16Optimizer") -> dict[str, Sequence[int]]:
     return out
 
 
-def _pieces(opt: Any) -> list[tuple[str, int, int]]:
+def _pieces(opt: Masters) -> list[tuple[str, int, int]]:
     """``(name, e0, e1)``: the elements of every parameter this rank's masters hold."""
     out = []
     for g, fg in enumerate(opt.flat_groups):
@@ -216,13 +214,13 @@ def _pieces(opt: Any) -> list[tuple[str, int, int]]:
     return out
 
 
-def _group_names(opt: Any) -> list[list[str]]:
+def _group_names(opt: Masters) -> list[list[str]]:
     """The parameter names of each of ``opt``'s param groups."""
     return [(fg.names if fg is not None else []) + [s.name for s in opt.sharded_groups[g]]
             for g, fg in enumerate(opt.flat_groups)]
 
 
-def _plan(opt: Any, source: Any, strict: bool) -> tuple[Reader, list]:
+def _plan(opt: Masters, source: Any, strict: bool) -> tuple[Reader, list]:
     """Every check of a load, before anything changes: the reader and each group's settings."""
     reader = Reader(source)
     reader.check(_model_shapes(opt), strict)
@@ -231,7 +229,7 @@ def _plan(opt: Any, source: Any, strict: bool) -> tuple[Reader, list]:
     return reader, group_options(reader.first["param_groups"], saved_group, _group_names(opt))
 
 
-def load(opt: "BF16Optimizer", source: Any, strict: bool = True) -> None:
+def load(opt: Masters, source: Any, strict: bool = True) -> None:
     """Load a consolidated dict, or saved rank dicts (all, or at least those this rank's new
     partition overlaps; at an unchanged world size, this rank's own), into ``opt``.
 
@@ -257,7 +255,7 @@ def load(opt: "BF16Optimizer", source: Any, strict: bool = True) -> None:
     opt.write_back()
 
 
-def _load_sharded(opt: "BF16Optimizer", reader: Reader, s: "ShardedParam") -> None:
+def _load_sharded(opt: Masters, reader: Reader, s: ShardedParam) -> None:
     """Fill one sharded param's master and state from ``reader``, one tensor at a time (an
     offloaded master and its state go to the store, its model-dtype shard is written there)."""
     keys, other = reader.keys(s.name)
@@ -268,7 +266,7 @@ def _load_sharded(opt: "BF16Optimizer", reader: Reader, s: "ShardedParam") -> No
         inner_state.put(opt.optimizer, s.master, k, _saved_shard(reader, s, k, opt.rank))
 
 
-def _saved_shard(reader: Reader, s: "ShardedParam", key: Optional[str], rank: int) -> torch.Tensor:
+def _saved_shard(reader: Reader, s: ShardedParam, key: Optional[str], rank: int) -> torch.Tensor:
     """``rank``'s shard of ``s``'s saved master (``key`` None) or state ``key``: zero padding, fp32."""
     start, stop = s.layout.range(rank)
     out = torch.zeros(s.master.shape, dtype=s.master.dtype)
@@ -277,7 +275,7 @@ def _saved_shard(reader: Reader, s: "ShardedParam", key: Optional[str], rank: in
     return out
 
 
-def full_param_tensor(opt: "BF16Optimizer", p: torch.Tensor, key: Optional[str]) -> Any:
+def full_param_tensor(opt: Masters, p: torch.Tensor, key: Optional[str]) -> Any:
     """Full fp32 master (``key`` None) or state ``key`` of ``p`` gathered across ranks."""
     opt.sync_masters()
     kind, g, i = opt.locate(p)
@@ -297,7 +295,7 @@ def full_param_tensor(opt: "BF16Optimizer", p: torch.Tensor, key: Optional[str])
     return full.narrow(0, fg.layout.offsets[i], _numel(p.shape)).view(p.shape).clone()
 
 
-def full_grad_tensor(opt: "BF16Optimizer", p: torch.Tensor) -> torch.Tensor:
+def full_grad_tensor(opt: Masters, p: torch.Tensor) -> torch.Tensor:
     """Full grad of ``p`` averaged across ranks (a collective)."""
     kind, g, i = opt.locate(p)
     if kind == "flat":
@@ -321,7 +319,7 @@ def _adopted(value: Any, numel: int) -> bool:
     return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == numel
 
 
-def adopt_flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup", states: list[dict]) -> None:
+def adopt_flat_state(inner: torch.optim.Optimizer, fg: FlatGroup, states: list[dict]) -> None:
     """Re-slice per-parameter state (from before wrapping) onto ``fg``'s master partition."""
     index, first = next((i, st) for i, st in enumerate(states) if st)
     state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in first.items()
@@ -335,7 +333,7 @@ def adopt_flat_state(inner: torch.optim.Optimizer, fg: "FlatGroup", states: list
     set_flat_state(inner, fg, state)
 
 
-def adopt_sharded_state(inner: torch.optim.Optimizer, s: "ShardedParam", old: dict) -> None:
+def adopt_sharded_state(inner: torch.optim.Optimizer, s: ShardedParam, old: dict) -> None:
     """Move a sharded parameter's pre-wrapping state onto its master (full or shard-shaped)."""
     start, stop = s.layout.range(s.rank)
     state = {}

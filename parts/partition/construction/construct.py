@@ -35,7 +35,7 @@ module, if one is not gathered (fetch hooks of a coordinator must use ``prepend=
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ from parts.comm import GroupArg, GroupInfo, broadcast, resolve_group
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
-__all__ = ["partitioned", "partition_module", "shard_new"]
+__all__ = ["partitioned", "partition_module", "shard_new", "on_sharded"]
 
 _SPEC, _DISABLED, _NAME, _HOOK = "_parts_spec", "_parts_disabled", "_parts_name", "_parts_check_hook"
 
@@ -64,6 +64,18 @@ _state = _State()
 """Process-wide because what it records is: ``partitioned`` patches ``nn.Module`` itself (its
 subclasses' ``__init__``, ``apply``, ``register_parameter``) for every thread, and nested
 contexts share those patches. Nothing to configure; empty whenever no context is active."""
+
+_on_sharded: list[Callable[[list[nn.Module]], None]] = []
+"""What runs on the modules of every tree sharded at construction. Layers above construction
+register here (interop gives a Hugging Face model a shard-aware ``resize_token_embeddings``),
+so construction imports none of them."""
+
+
+def on_sharded(fn: Callable[[list[nn.Module]], None]) -> Callable[[list[nn.Module]], None]:
+    """Run ``fn(modules)`` on every module tree sharded from now on (registering twice is once)."""
+    if fn not in _on_sharded:
+        _on_sharded.append(fn)
+    return fn
 
 
 def _owned(module: nn.Module):
@@ -128,9 +140,9 @@ def _adopt(module: nn.Module, spec: ShardSpec) -> None:
     shard_params(todo, spec)
     _name_records(module)
     _sync_buffers(module, spec.info)
-    # interop builds on construction, so it is imported here, not at the top
-    from parts.partition.interop.resize import install_resize
-    install_resize(module.modules())
+    modules = list(module.modules())
+    for fn in _on_sharded:
+        fn(modules)
 
 
 def _name_records(module: nn.Module) -> None:

@@ -4,7 +4,7 @@ Hugging Face resizes by building a new ``nn.Embedding`` (or ``nn.Linear`` head),
 it, copying the old rows and assigning ``weight.data`` of another shape: none of that can
 happen behind shards. So a model built under ``partitioned()`` (or ``partition_module``) gets
 this function as its ``resize_token_embeddings`` (an instance attribute, installed at
-construction on every module whose class has one), and it:
+construction through ``on_sharded`` on every module whose class has one), and it:
 
 1. gathers the input and output embeddings' sharded params (one collective) and puts plain
    full copies in their place (tied weights stay one parameter);
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from torch import nn
 
-from parts.partition.construction.construct import _DISABLED, _SPEC, partitioned, shard_new
+from parts.partition.construction.construct import _DISABLED, _SPEC, on_sharded, partitioned, shard_new
 from parts.partition.core import disk
 from parts.partition.core.gather import gathered
 from parts.partition.core.param import is_partitioned, meta, unique_params
@@ -110,6 +110,7 @@ def resize_token_embeddings(model: nn.Module, new_num_tokens: Optional[int] = No
     return out
 
 
+@on_sharded
 def install_resize(modules: Iterable[nn.Module]) -> None:
     """Give every module whose class has ``resize_token_embeddings`` this one (once)."""
     install_method([mod for mod in modules if callable(getattr(type(mod), _METHOD, None))
