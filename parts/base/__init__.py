@@ -1,7 +1,8 @@
 """parts.base: pure pieces every part may use and that use no part.
 
 ``ShardLayout`` (shard arithmetic, no torch.distributed), the device helpers, ``Timers``
-(named timers that synchronise the accelerator; re-exported by ``parts.observe``),
+(named timers that synchronise the accelerator; ``parts.observe.Timers`` adds the log across
+ranks),
 ``OptimizerWrapper`` (the delegation every torch-optimizer wrapper shares),
 ``weak_method`` (a hook that does not keep its object alive) and ``StoragePool`` (freed CPU
 memory kept for the next storage of its size: partition's gathers, offload's loads).

@@ -1,8 +1,12 @@
-"""Named wall-clock timers that synchronise the accelerator, with a min/max-across-ranks log.
+"""Named wall-clock timers that synchronise the accelerator.
 
     timers = Timers()
-    timers("forward").start(); loss = model(x); timers("forward").stop()
-    timers.log(["forward"], normalizer=steps)   # rank 0 prints min/max over ranks, in ms
+    with timers("forward"):
+        loss = model(x)
+    timers.elapsed(["forward"])   # {"forward": seconds} on this rank
+
+The min/max over ranks is a collective, so it lives above the base:
+``parts.observe.Timers.log`` (or ``parts.observe.log_timers`` for any ``Timers``).
 
 Each timer accumulates the time of its start/stop intervals and counts them until it is
 reset. On an accelerator, ``start`` and ``stop`` call ``torch.accelerator.synchronize()``
@@ -15,10 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Optional
 
-import torch
-
 from parts.base.device import synchronize_accelerator
-from parts.comm import GroupArg, group_info, min_max
 
 
 class Timer:
@@ -117,22 +118,3 @@ class Timers:
         """Local accumulated seconds per name (0.0 for a name never started)."""
         names = self.names() if names is None else list(names)
         return {n: self._timers[n].elapsed(reset) if n in self._timers else 0.0 for n in names}
-
-    def log(self, names: Optional[Iterable[str]] = None, normalizer: float = 1.0,
-            reset: bool = True, group: GroupArg = None,
-            printer: Callable[[str], None] = print) -> dict[str, tuple[float, float]]:
-        """Min/max over ``group`` of each timer's seconds / ``normalizer``; rank 0 prints them in ms.
-
-        Every rank of ``group`` must call this with the same ``names`` (it is a collective
-        when torch.distributed is initialised); a name a rank never started counts as 0 s.
-        """
-        if normalizer <= 0:
-            raise ValueError(f"Timers.log: normalizer must be > 0, got {normalizer}")
-        local = self.elapsed(names, reset=reset)
-        lo, hi = min_max(torch.tensor(list(local.values()), dtype=torch.float64), group)
-        result = {n: (lo[i].item() / normalizer, hi[i].item() / normalizer)
-                  for i, n in enumerate(local)}
-        if group_info(group, "Timers.log").rank == 0 and result:
-            printer("time (ms) min/max | " + " | ".join(
-                f"{n}: {a * 1e3:.2f}/{b * 1e3:.2f}" for n, (a, b) in result.items()))
-        return result
