@@ -60,8 +60,11 @@ class IOQueue:
             self._push(lane, pieces)
 
     def done(self, op: Op) -> None:
-        """Mark ``op`` finished and queue the ops held behind it."""
+        """Mark ``op`` finished and queue the ops held behind it; ``op`` lets go of the op it
+        followed (its ordering is settled), so a key's history is never longer than its ops
+        still pending, however many ran before."""
         with self._cond:
+            op.after = None
             op.finished.set()
             for lane, pieces in op.held:
                 self._push(lane, pieces)

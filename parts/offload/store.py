@@ -1,7 +1,9 @@
 """``DiskStore``: one rank's scratch store of tensors in files, with asynchronous IO.
 
 Each key is one file in a private scratch directory (``parts-store-*`` under ``path``),
-removed on ``close()``, when the store is garbage collected, and at interpreter exit.
+removed on ``close()``, when the store is garbage collected, at interpreter exit and on
+SIGTERM; the directory records its owner, and a new store under the same ``path`` reclaims
+the directories of owners that are gone (``_scratch``: a rank killed by SIGKILL).
 ``write``/``read`` split a transfer into pieces of ``block_bytes`` that run on a pool of
 ``threads`` IO threads (``pread``/``pwrite`` release the GIL), so several pieces are in
 the device queue at once; the caller gets an ``IOHandle`` and goes on computing. Queued
@@ -39,7 +41,7 @@ from typing import Any, Optional
 import torch
 
 from parts.base.storage_pool import StoragePool
-from parts.offload import _fileio
+from parts.offload import _fileio, _scratch
 from parts.offload._fileio import ALIGN, DiskFullError, round_up
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
@@ -84,10 +86,13 @@ def _remove_dir(directory: str, pid: int, queue: IOQueue) -> None:
 
 
 def _scratch_dir(path: str) -> str:
-    """A fresh private directory under ``path`` (created if missing); a clear error if impossible."""
+    """A fresh private directory under ``path`` (created if missing) recording its owner; a clear
+    error if impossible."""
     try:
         os.makedirs(path, exist_ok=True)
-        return tempfile.mkdtemp(prefix="parts-store-", dir=path)
+        directory = tempfile.mkdtemp(prefix=_scratch.PREFIX, dir=path)
+        _scratch.write_owner(directory)
+        return directory
     except OSError as e:
         raise PermissionError(f"DiskStore: cannot create scratch files under {path!r} "
                               f"({e.strerror or e}); pass a writable directory") from e
@@ -106,6 +111,8 @@ class DiskStore:
         reuse = StoragePool(reuse_bytes, newest_first=False)
         self.path = os.path.abspath(os.fspath(path))
         self.directory = _scratch_dir(self.path)
+        self.reclaimed_bytes = _scratch.reclaim(self.path, keep=self.directory)  # left by dead owners
+        self._watch = _scratch.watch(self.directory)  # removed on SIGTERM
         self._queue = IOQueue(threads, "parts-offload")
         self._finalizer = weakref.finalize(self, _remove_dir, self.directory, os.getpid(), self._queue)
         can = _fileio.probe_direct(self.directory)
@@ -166,8 +173,22 @@ class DiskStore:
     def delete(self, key: str) -> None:
         """Forget ``key`` and remove its file (after its pending operations)."""
         entry = self._index.pop(key, None)
+        if entry is not None:
+            self._unlink(entry)
+
+    def rename(self, src: str, dst: str) -> None:
+        """Make ``src``'s bytes (and its pending operations) those of ``dst``, replacing what ``dst``
+        held; ``src`` is gone. No bytes move: a write staged under ``src`` is committed to ``dst``."""
+        entry = self._index.pop(src, None)
         if entry is None:
-            return
+            raise KeyError(f"DiskStore {self.directory!r}: no key {src!r} to rename to {dst!r}")
+        old = self._index.get(dst)
+        self._index[dst] = entry
+        if old is not None:
+            self._unlink(old)
+
+    def _unlink(self, entry: _Entry) -> None:
+        """Remove ``entry``'s file once its pending operations finished."""
         if entry.last is not None:
             entry.last.finished.wait()
         try:
@@ -195,6 +216,7 @@ class DiskStore:
         self._index.clear()
         self.reuse.clear()
         self._finalizer()
+        self._watch = None
         self._queue.join()
 
     def __contains__(self, key: object) -> bool:

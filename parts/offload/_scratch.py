@@ -1,0 +1,152 @@
+"""Scratch directories of ``DiskStore``: owned, removed on SIGTERM, reclaimed once their owner is gone.
+
+Each store directory (``parts-store-*``) holds an ``owner.json``: host name, pid and the
+process's start time (``/proc/<pid>/stat``, so a reused pid is not taken for the owner).
+A new store scans its parent path and removes the directories whose owner on this host is
+gone (a rank killed by SIGKILL, a crash in native code), saying how much it freed; a
+directory of another host (a shared file system) or without an owner record is left alone.
+
+SIGTERM (what ``kill``, ``timeout``, Slurm and Kubernetes send) would end the process without
+running exit handlers. A handler installed with the first store removes every live store's
+directory, then does what the signal did before: under the default disposition the process
+is terminated by SIGTERM again; an earlier Python handler is called instead (it may save a
+checkpoint from the store, so the directories stay until the process exits normally, which
+removes them); an ignored SIGTERM stays ignored. Python runs signal handlers on the main
+thread between bytecodes: a process blocked inside a native call (a hung collective) handles
+it when the call returns; SIGKILL leaves the directory, for the next store to reclaim.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+__all__ = ["OWNER_FILE", "write_owner", "reclaim", "watch", "directory_bytes"]
+
+OWNER_FILE = "owner.json"
+PREFIX = "parts-store-"
+logger = logging.getLogger("parts.offload")
+
+_live: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()  # id -> finalizer holder
+_installed: dict[str, Any] = {}  # "pid" of the process whose handler is in place, "previous" handler
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` (clock ticks since boot), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    if fields and fields[0] == "Z":  # a zombie: dead, not reaped yet
+        return "zombie"
+    return fields[19] if len(fields) > 19 else None
+
+
+def write_owner(directory: str) -> None:
+    """Record this process as the owner of ``directory``."""
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+    with open(os.path.join(directory, OWNER_FILE), "w") as f:
+        json.dump(owner, f)
+
+
+def _owner_gone(directory: str, host: str) -> bool:
+    """True if ``directory``'s recorded owner is a process of this host that no longer runs."""
+    try:
+        with open(os.path.join(directory, OWNER_FILE)) as f:
+            owner = json.load(f)
+        pid, start = int(owner["pid"]), owner.get("start")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no (readable) record: not ours to judge
+    if owner.get("host") != host or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    now = _start_time(pid)
+    return now == "zombie" or (start is not None and now is not None and now != start)
+
+
+def directory_bytes(directory: str) -> int:
+    """Bytes the files under ``directory`` take on disk."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            total += max(st.st_size, getattr(st, "st_blocks", 0) * 512)
+    return total
+
+
+def reclaim(path: str, keep: str) -> int:
+    """Remove the store directories under ``path`` (not ``keep``) whose owner is gone; the bytes freed."""
+    host, freed, count = socket.gethostname(), 0, 0
+    try:
+        names = [n for n in os.listdir(path) if n.startswith(PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        directory = os.path.join(path, name)
+        if directory == keep or not os.path.isdir(directory) or not _owner_gone(directory, host):
+            continue
+        size = directory_bytes(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+        if not os.path.exists(directory):
+            freed, count = freed + size, count + 1
+    if count:
+        logger.warning("DiskStore: reclaimed %.1f MiB in %d scratch director%s under %s left by "
+                       "processes that are gone", freed / 2**20, count, "y" if count == 1 else "ies", path)
+    return freed
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Remove the live stores' directories, then do what SIGTERM did before (module docstring)."""
+    previous = _installed.get("previous")
+    if callable(previous):
+        previous(signum, frame)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    for finalizer in list(_live.values()):
+        finalizer.remove_now()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Watch:
+    """A live store's directory for the SIGTERM handler: ``remove_now`` removes it (this process's only)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.pid = directory, os.getpid()
+
+    def remove_now(self) -> None:
+        """Remove the directory if this process created it."""
+        if os.getpid() == self.pid:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def watch(directory: str) -> Watch:
+    """Register ``directory`` for removal on SIGTERM (installing the handler once per process, from
+    the main thread; elsewhere nothing is installed); keep the returned object alive with the store."""
+    holder = Watch(directory)
+    _live[id(holder)] = holder
+    if _installed.get("pid") != os.getpid() and threading.current_thread() is threading.main_thread():
+        current: Callable | int | None = signal.getsignal(signal.SIGTERM)
+        if current is not _on_sigterm:
+            _installed["previous"] = current
+            signal.signal(signal.SIGTERM, _on_sigterm)
+        _installed["pid"] = os.getpid()
+    return holder
