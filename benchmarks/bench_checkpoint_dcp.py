@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from record import record  # noqa: E402
 
 
 def _rss() -> int:
@@ -201,12 +202,20 @@ def main() -> None:
     results = mp.Manager().dict()
     mp.spawn(_worker, args=(args.world_size, _free_port(), config, scratch, results, disk_dir, methods, args.rounds),
              nprocs=args.world_size)
-    print(f"\n{'method':<6} {'op':<5} " + "  ".join(f"rank {r}: wall s / CPU s / RSS +MiB" for r in range(args.world_size)))
+    heads = "  ".join(f"rank {r}: wall s / CPU s / RSS +MiB" for r in range(args.world_size))
+    print(f"\n{'method':<6} {'op':<5} " + heads)
     for method in methods:
         for op, index in (("save", 0), ("load", 1)):
             cells = [results[r][method][index] for r in range(args.world_size)]
             print(f"{method:<6} {op:<5} " + "  ".join(
                 f"{c['wall']:>13.2f} / {c['cpu']:>5.2f} / {c['rss'] / 2**20:>8.1f}" for c in cells))
+    record("bench_checkpoint_dcp", {"rows": [
+        {"method": method, "op": op, "rank": r, "wall_s": round(results[r][method][i]["wall"], 3),
+         "cpu_s": round(results[r][method][i]["cpu"], 3),
+         "rss_growth_MiB": round(results[r][method][i]["rss"] / 2**20, 1)}
+        for method in methods for op, i in (("save", 0), ("load", 1)) for r in range(args.world_size)],
+        "summary": {"params (M)": round(params / 1e6, 1), "world": args.world_size,
+                    "shards": "on disk" if args.disk else "in memory"}})
     if not args.dir:
         shutil.rmtree(scratch, ignore_errors=True)
 

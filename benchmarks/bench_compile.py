@@ -25,6 +25,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from record import record  # noqa: E402
+
 from parts.partition import attach, compile_blocks, partitioned, shards  # noqa: E402
 
 
@@ -104,6 +106,10 @@ def main() -> None:
         print(f"{'system':26s} {'step (s)':>9s} {'cpu/step (s)':>12s} {'x parts eager':>13s} {'final loss':>11s}")
         for name, r in results.items():
             print(f"{name:26s} {r['wall']:9.4f} {r['cpu']:12.4f} {r['wall'] / base:13.2f} {r['loss']:11.6f}")
+        record("bench_compile", {"rows": [
+            {"system": name, "step_s": round(r["wall"], 4), "cpu_per_step_s": round(r["cpu"], 4),
+             "vs_parts_eager": round(r["wall"] / base, 3), "final_loss": round(r["loss"], 6)}
+            for name, r in results.items()]})
     dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ import statistics
 import time
 
 import torch
+from record import record
 
 from parts.csrc import native, reference
 
@@ -84,6 +85,7 @@ def main() -> None:
     print(f"{'op':<10}{'MB':>6}{'tensors':>9}{'torch ms':>11}{'native ms':>11}{'ratio':>8}{'min ratio':>10}")
     dtype = getattr(torch, a.dtype)
     ratios: dict[str, list[float]] = {}
+    rows: list[dict] = []
     for mb in sizes:
         for count in a.counts:
             cases = _cases(mb * MB, count, a.world_size, dtype)
@@ -93,9 +95,14 @@ def main() -> None:
                 print(f"{op:<10}{mb:>6}{count:>9}{tr * 1e3:>11.3f}{tn * 1e3:>11.3f}"
                       f"{tn / tr:>8.2f}{mn / mr:>10.2f}", flush=True)
                 ratios.setdefault(op, []).append(mn / mr)
+                rows.append({"op": op, "MB": mb, "tensors": count, "torch_ms": round(tr * 1e3, 3),
+                             "native_ms": round(tn * 1e3, 3), "min_ratio": round(mn / mr, 3)})
             del cases
     print("geometric mean of min ratios (native/torch): " + ", ".join(
         f"{op}={statistics.geometric_mean(r):.2f}" for op, r in ratios.items()))
+    summary = {f"{op}: geometric mean of native/torch": round(statistics.geometric_mean(r), 3)
+               for op, r in ratios.items()}
+    record("bench_native", {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

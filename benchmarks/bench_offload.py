@@ -46,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from chardata import VOCAB_SIZE, batch, load_splits  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from record import record  # noqa: E402
 from train_offload import PRESETS, count_params  # noqa: E402
 
 from parts.comm import all_gather_objects  # noqa: E402
@@ -235,8 +236,7 @@ def report(args, store, raws, rows, world, loads, wall) -> None:
           "| achieved both (% raw) | read / write over in-flight time (% raw) "
           "| IO at raw / step (s) | IO busy / wait per step (s) | IO hidden |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for rank, (memory, offload, _) in enumerate(rows):
-        _row(rank, memory, offload, raw_r, raw_w, args.rounds)
+    table = [_row(rank, memory, offload, raw_r, raw_w, args.rounds) for rank, (memory, offload, _) in enumerate(rows)]
     print("optimizer step alone (the IO-bound phase: every shard, grad and state streamed once):")
     print("| rank | in-memory (s) | offloaded (s) | read | write | achieved read GB/s (% raw) "
           "| achieved write GB/s (% raw) | achieved both (% raw) | reads + writes over moving time (GB/s) "
@@ -249,6 +249,10 @@ def report(args, store, raws, rows, world, loads, wall) -> None:
     cpu = ", ".join(f"{c:.0f} s" for _, _, c in rows)
     print(f"CPU time per rank (whole run, user + sys, IO threads included): {cpu}; wall {wall:.0f} s; "
           f"load average (1, 5, 15 min) at start {_load(loads[0])}, at end {_load(loads[1])}")
+    record("bench_offload", {"rows": table, "summary": {
+        "model": f"{args.params} ({psi / 1e6:.0f} M params), world {world}",
+        "store": store.mode, "raw per rank write / read (GB/s)": f"{raw_w:.2f} / {raw_r:.2f}",
+        "optimizer": "stepping after backward" if args.after_backward else "stepping during backward"}})
 
 
 def _best_disk(raws, kind: int) -> float:
@@ -279,7 +283,7 @@ def _opt_row(rank, memory, offload, raw_r, raw_w, n) -> None:
           f"| {' | '.join(_achieved(io, raw_r, raw_w))} | {both:.2f} | {io.wait_seconds / n:.2f} |")
 
 
-def _row(rank, memory, offload, raw_r, raw_w, n) -> None:
+def _row(rank, memory, offload, raw_r, raw_w, n) -> dict:
     io = _io_sum(offload)
     m_wall, m_cpu = _median(memory, "wall"), _median(memory, "cpu")
     o_wall, o_cpu = _median(offload, "wall"), _median(offload, "cpu")
@@ -292,6 +296,13 @@ def _row(rank, memory, offload, raw_r, raw_w, n) -> None:
           f"{io.bytes_bounced / n / GiB:.2f} GiB | {' | '.join(_achieved(io, raw_r, raw_w))} "
           f"| {queued_r:.0%} / {queued_w:.0%} "
           f"| {at_raw:.2f} | {io.busy_seconds / n:.2f} / {io.wait_seconds / n:.2f} | {hidden:.0%} |")
+    read, write, both = _achieved(io, raw_r, raw_w)
+    return {"rank": rank, "in_memory_step_s": round(m_wall, 3), "offloaded_step_s": round(o_wall, 3),
+            "ratio_wall": round(o_wall / m_wall, 3), "ratio_cpu": round(o_cpu / m_cpu, 3),
+            "read_GiB_per_step": round(io.bytes_read / n / GiB, 3),
+            "write_GiB_per_step": round(io.bytes_written / n / GiB, 3),
+            "achieved_read_GBps": read, "achieved_write_GBps": write, "achieved_both": both,
+            "io_hidden": f"{hidden:.0%}"}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from record import record
 
 from parts.offload import DiskStore, OffloadedOptimizer, parking
 
@@ -66,6 +67,7 @@ def main() -> None:
           f"{' '.join(f'{x:.1f}' for x in load0)}, at end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("| chunk | step wall (s) | step CPU (s) | IO wait per step (s) | GB/s over IO wall |")
     print("|---|---|---|---|---|")
+    table = []
     for name, rows in results.items():
         chunk = systems[name][1].step_chunk_bytes >> 20
         rate = [(io.bytes_read + io.bytes_written) / io.busy_seconds / 1e9 for _, _, io in rows]
@@ -73,6 +75,12 @@ def main() -> None:
               f"| {statistics.median(c for _, c, _ in rows):.2f} "
               f"| {statistics.median(io.wait_seconds for _, _, io in rows):.2f} "
               f"| {min(rate):.2f}-{max(rate):.2f} |")
+        table.append({"chunk": f"{chunk} MiB ({name})",
+                      "step_wall_s": round(statistics.median(w for w, _, _ in rows), 3),
+                      "step_cpu_s": round(statistics.median(c for _, c, _ in rows), 3),
+                      "io_wait_s": round(statistics.median(io.wait_seconds for _, _, io in rows), 3),
+                      "GBps_over_io_wall": f"{min(rate):.2f}-{max(rate):.2f}"})
+    record("bench_offload_chunks", {"rows": table, "summary": {"store": store.mode}})
     store.close()
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_offload as bench  # noqa: E402
 from chardata import load_splits  # noqa: E402  (recipes/ is on the path through bench_offload)
+from record import record  # noqa: E402
 
 from parts.comm import all_gather_objects  # noqa: E402
 from parts.offload import DiskStore  # noqa: E402
@@ -75,6 +76,7 @@ def report(rows: list[dict], args, loads) -> None:
     """One line per rank and system: medians over rounds, ratios to the in-memory system."""
     print(f"{args.params}, world {len(rows)}, blocks of {args.block} steps, {args.rounds} rounds; load "
           f"average at start {bench._load(loads[0])}, at end {bench._load(loads[1])}")
+    table = []
     for rank, blocks in enumerate(rows):
         med = {n: [statistics.median(b[i] for b in blocks[n]) for i in range(4)] for n in NAMES}
         for name in NAMES:
@@ -82,6 +84,12 @@ def report(rows: list[dict], args, loads) -> None:
             print(f"rank {rank} {name:7s} per step: wall {wall:.2f} s, CPU {cpu:.2f} s, optimizer.step "
                   f"{opt_wall:.2f} s, IO wait {wait:.2f} s; / memory: wall {wall / med['memory'][0]:.2f}, "
                   f"CPU {cpu / med['memory'][1]:.2f}; block walls {[round(b[0], 2) for b in blocks[name]]}")
+            table.append({"rank": rank, "system": name, "step_wall_s": round(wall, 3), "step_cpu_s": round(cpu, 3),
+                          "optimizer_step_s": round(opt_wall, 3), "io_wait_s": round(wait, 3),
+                          "wall_vs_memory": round(wall / med["memory"][0], 3),
+                          "cpu_vs_memory": round(cpu / med["memory"][1], 3)})
+    record("bench_offload_pipeline", {"rows": table, "summary": {
+        "model": args.params, "world": len(rows), "steps per block": args.block, "rounds": args.rounds}})
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from record import record
 
 from parts.optim import BF16Optimizer
 
@@ -212,13 +213,24 @@ def main() -> None:
         systems.append("deepspeed")
     else:
         print("  (deepspeed not importable: pip install --target DIR deepspeed; PYTHONPATH=DIR)")
-    totals = {}
+    totals: dict[str, float] = {}
+    rows = [{"system": "torch AdamW fp32, 1 process", "step_ms": round(plain * 1e3, 2), "vs_torch": 1.0},
+            {"system": "torch clip_grad_norm_ + AdamW fp32, 1 process", "step_ms": round(plain_clip * 1e3, 2),
+             "vs_torch": round(plain_clip / plain, 3)}]
+    for name, group in (("BF16Optimizer world 1", [w1]), ("BF16Optimizer world 2", w2)):
+        secs = max(r["seconds"] for r in group)
+        rows.append({"system": name + " (slowest rank)", "step_ms": round(secs * 1e3, 2),
+                     "vs_torch": round(secs / plain, 3)})
     for system in systems:
         res = run_world(2, args.numel, args.steps, system)
         back, step = max(r[0] for r in res), max(r[1] for r in res)
         totals[system] = back + step
         print(f"  {system:10s} backward {back * 1e3:7.1f} ms + step {step * 1e3:7.1f} ms = "
               f"{(back + step) * 1e3:7.1f} ms ({(back + step) / totals['parts']:.2f} of parts)")
+    summary = {"Psi (params)": psi, "steps (fastest taken)": args.steps}
+    summary.update({f"world 2, {s}: elementwise backward + step (ms)": round(t * 1e3, 2)
+                    for s, t in totals.items()})
+    record("bench_optim", {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from record import record  # noqa: E402
 
 SETTINGS = ("plain", "persistent", "fetch_release")
 
@@ -274,23 +275,28 @@ def prefetch_hiding(delays: tuple = (0.0, 0.02), steps: int = 16, n_layer: int =
 
 
 # ------------------------------------------------------------------------- report
-def _print_overhead(rows: dict[str, dict], args: argparse.Namespace) -> None:
+def _print_overhead(rows: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     print(f"\n### Host overhead: {args.modules} x Linear({args.width},{args.width}), batch "
           f"{args.batch_overhead}, world 1, median of {args.steps_overhead} steps\n")
     print("| setting | step (ms) | hooked calls / step | hook cost (µs / call) |")
     print("|---|---|---|---|")
+    table = []
     for setting, row in rows.items():
         cost = "-" if row["per_call_us"] is None else f"{row['per_call_us']:.1f}"
         print(f"| {setting} | {row['step'] * 1e3:.2f} | {row['calls'] or '-'} | {cost} |")
+        table.append({"setting": setting, "step_ms": round(row["step"] * 1e3, 2),
+                      "hooked_calls_per_step": row["calls"] or "-", "hook_us_per_call": cost})
+    return table
 
 
-def _print_hiding(rows: dict[tuple, dict], args: argparse.Namespace) -> None:
+def _print_hiding(rows: dict[tuple, dict], args: argparse.Namespace) -> list[dict]:
     print(f"\n### Prefetch hiding: GPT n_layer {args.n_layer}, n_embd {args.n_embd}, seq {args.seq}, "
           f"batch {args.batch}, world 2, {args.link} link, median of steps 3..{args.steps}\n")
     print("| delay (ms) | prefetch | step (ms) | all-gathers / step | prefetch hits / fetches "
           "| added vs 0 ms (ms) | delay hidden | final loss |")
     print("|---|---|---|---|---|---|---|---|")
     base = min(rows)[0]
+    table = []
     for (delay, prefetch), row in sorted(rows.items()):
         added = row["step"] - rows[(base, prefetch)]["step"]
         added_off = rows[(delay, False)]["step"] - rows[(base, False)]["step"]
@@ -298,7 +304,12 @@ def _print_hiding(rows: dict[tuple, dict], args: argparse.Namespace) -> None:
         print(f"| {delay * 1e3:g} | {'on' if prefetch else 'off'} | {row['step'] * 1e3:.1f} | "
               f"{row['gathers']} | {row['prefetch_hits']} / {row['fetches']} | {added * 1e3:.1f} | "
               f"{hidden} | {row['loss']:.6f} |")
+        table.append({"delay_ms": round(delay * 1e3, 3), "prefetch": "on" if prefetch else "off",
+                      "step_ms": round(row["step"] * 1e3, 1), "all_gathers_per_step": row["gathers"],
+                      "prefetch_hits_of_fetches": f"{row['prefetch_hits']} / {row['fetches']}",
+                      "added_vs_0ms_ms": round(added * 1e3, 1), "delay_hidden": hidden})
     print("\nfinal losses with prefetch on and off: identical (torch.equal) at every delay")
+    return table
 
 
 def main() -> None:
@@ -317,13 +328,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
     if args.only != "prefetch":
-        _print_overhead(host_overhead(args.modules, args.width, args.batch_overhead,
-                                      args.steps_overhead), args)
+        table = _print_overhead(host_overhead(args.modules, args.width, args.batch_overhead,
+                                              args.steps_overhead), args)
+        record("bench_overlap_overhead", {"rows": table, "summary": {
+            "model": f"{args.modules} x Linear({args.width}, {args.width}), world 1"}})
     if args.only != "overhead":
         delays = tuple(float(d) / 1e3 for d in args.delays_ms.split(","))
         rows = prefetch_hiding(delays, args.steps, args.n_layer, args.n_embd, args.seq, args.batch,
                                serial=args.link == "serial")
-        _print_hiding(rows, args)
+        record("bench_overlap_prefetch", {"rows": _print_hiding(rows, args), "summary": {
+            "model": f"GPT {args.n_layer} layers x {args.n_embd}, world 2, {args.link} link",
+            "final losses with prefetch on and off": "identical (torch.equal)"}})
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from record import record  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean", "parts_defaults")
 MODELS = {"25m": dict(n_layer=8, n_embd=512, n_head=8, seq=128),  # ../shared/LESSONS.md's 25.4M GPT
@@ -226,13 +227,19 @@ def main() -> None:
             print(f"  round {round_no + 1}/{args.rounds} {system}: {row['step']:.3f} s (CPU {row['cpu']:.3f} s), "
                   f"peak RSS {row['peak_rss'] / 2**20:.0f} MiB, loss {row['loss']:.4f}, "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)
-    _print_table({system: _combine(rows) for system, rows in runs.items()}, params)
-    _print_paired(runs)
+    table = _print_table({system: _combine(rows) for system, rows in runs.items()}, params)
+    paired = _print_paired(runs)
+    summary = {"model": f"GPT {params / 1e6:.1f}M params, world {args.world_size}, micro-batch "
+                        f"{args.batch}x{args.seq} per rank, {args.dtype} AdamW, {args.steps} steps",
+               "rounds": args.rounds, "mmap threshold": args.mmap_threshold or "glibc default"}
+    summary.update({f"{system} vs DDP round by round": r for system, r in paired.items()})
     if not args.no_overhead:
-        _print_overhead()
+        summary.update(_print_overhead())
+    suffix = "".join(f"_{v}" for v, default in ((args.model, "25m"), (args.dtype, "fp32")) if v != default)
+    record("bench_zero3" + suffix, {"rows": table, "summary": summary})
 
 
-def _print_overhead() -> None:
+def _print_overhead() -> dict:
     """Host cost of the coordinator's hooks per submodule call, communication made free (world 1)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_overlap import host_overhead
@@ -241,6 +248,8 @@ def _print_overhead() -> None:
           "200 x Linear(16, 16), bench_overlap.py; FSDP2: every Linear fully_shard, same calls):")
     for setting in ("persistent", "fetch_release", "fsdp2"):
         print(f"  {setting}: {rows[setting]['per_call_us']:.0f} µs")
+    return {f"host overhead per hooked call, {s} (µs)": round(rows[s]["per_call_us"]) for s in
+            ("persistent", "fetch_release", "fsdp2")}
 
 
 def _combine(rows: list) -> dict:
@@ -253,29 +262,37 @@ def _combine(rows: list) -> dict:
                 peak_rss=max(row["peak_rss"] for row in rows), loss=losses.pop(), stats=rows[-1]["stats"])
 
 
-def _print_table(results, params) -> None:
+def _print_table(results, params) -> list[dict]:
     ddp, fsdp2 = results.get("ddp", {}), results.get("fsdp2") or results.get("fsdp2_bf16") or {}
     print("\n| system | step (s) | vs DDP | vs FSDP2 | CPU s / step (rank 0) | CPU vs DDP | "
           "peak RSS / rank (MiB) | final loss | vs DDP loss | gathered + reduce-scattered per step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    table = []
     for system, row in results.items():
         ratios = [f"{row['step'] / base['step']:.2f}" if base else "-" for base in (ddp, fsdp2)]
         cpu_ratio = f"{row['cpu'] / ddp['cpu']:.2f}" if ddp else "-"
         gap = f"{100 * (row['loss'] / ddp['loss'] - 1):+.3f}%" if ddp else "-"
         print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | {row['cpu']:.3f} | {cpu_ratio} | "
               f"{row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {gap} | {_traffic(row.get('stats'), params)} |")
+        table.append({"system": system, "step_s": round(row["step"], 3), "vs_DDP": ratios[0], "vs_FSDP2": ratios[1],
+                      "cpu_s_per_step_rank0": round(row["cpu"], 3), "cpu_vs_DDP": cpu_ratio,
+                      "peak_rss_MiB": round(row["peak_rss"] / 2**20), "final_loss": round(row["loss"], 4),
+                      "loss_vs_DDP": gap, "traffic_per_step": _traffic(row.get("stats"), params)})
+    return table
 
 
-def _print_paired(runs: dict) -> None:
+def _print_paired(runs: dict) -> dict[str, str]:
     """Each system's step time over DDP's in the same round: how much of a ratio is noise."""
     if "ddp" not in runs or len(runs["ddp"]) < 2:
-        return
+        return {}
+    paired = {}
     print("\nvs DDP round by round (same round, so drift in machine load cancels):")
     for system, rows in runs.items():
         if system != "ddp":
             ratios = [row["step"] / base["step"] for row, base in zip(rows, runs["ddp"])]
-            print(f"  {system}: " + " ".join(f"{r:.2f}" for r in ratios)
-                  + f" (median {statistics.median(ratios):.2f})")
+            paired[system] = " ".join(f"{r:.2f}" for r in ratios) + f" (median {statistics.median(ratios):.2f})"
+            print(f"  {system}: {paired[system]}")
+    return paired
 
 
 def _traffic(stats, params) -> str:

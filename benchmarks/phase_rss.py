@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 import bench_zero3  # noqa: E402
 from gpt_model import GPTConfig  # noqa: E402
+from record import record  # noqa: E402
 
 
 def _rss_mib() -> dict[str, float]:
@@ -89,10 +90,14 @@ def main() -> None:
                        n_head=shape["n_head"], n_embd=shape["n_embd"])
     batches = argparse.Namespace(dtype="bf16", batch=4, steps=args.steps)
     out = mp.Manager().dict()
+    rows = []
     for system in args.systems.split(","):
         mp.spawn(_worker, args=(2, bench_zero3._free_port(), system, config, batches, out), nprocs=2)
         for rank in (0, 1):
             print(out[(system, rank)], flush=True)
+            rows.append({"system": system, "rank": rank, "RSS MiB over the pre-build RSS, by phase":
+                         "; ".join(line.strip() for line in out[(system, rank)].splitlines()[1:])})
+    record("phase_rss", {"rows": rows, "summary": {"model": "25.4M GPT, bf16, world 2", "steps": args.steps}})
 
 
 if __name__ == "__main__":

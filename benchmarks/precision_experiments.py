@@ -21,6 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from chardata import VOCAB_SIZE, batch, load_splits  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
+from record import record  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -135,6 +136,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tokens, val = load_splits(None)
     base = None
+    rows = []
     for name, variant in VARIANTS.items():
         if args.only and variant is not None and args.only not in name:
             continue
@@ -142,6 +144,10 @@ def main() -> None:
         base = base or (final, vloss)
         print(f"{name:48s} train {final:.4f} ({100 * (final / base[0] - 1):+.2f}%)  "
               f"val {vloss:.4f} ({100 * (vloss / base[1] - 1):+.2f}%)", flush=True)
+        rows.append({"variant": name, "train_loss": round(final, 4),
+                     "train_vs_first": f"{100 * (final / base[0] - 1):+.2f}%", "val_loss": round(vloss, 4),
+                     "val_vs_first": f"{100 * (vloss / base[1] - 1):+.2f}%"})
+    record("precision_experiments", {"rows": rows})
 
 
 if __name__ == "__main__":
