@@ -32,7 +32,6 @@ import gc
 import math
 import os
 import shutil
-import time
 
 import torch
 import torch.distributed as dist

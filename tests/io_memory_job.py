@@ -2,6 +2,7 @@
 peak RSS growth of parts.io.save, torch.load and parts.io.load of a checkpoint of MIB MiB.
 Prints one line: ``save torch_load parts_load`` growths in bytes."""
 
+import functools
 import gc
 import sys
 import tempfile
@@ -30,7 +31,7 @@ def main(mib: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         obj = {f"t{i}": torch.randn(mib * 2**20 // 4 // 8) for i in range(8)}
         torch.save(obj, f"{tmp}/plain.pt")
-        save = growth(lambda: pio.save(obj, f"{tmp}/ck.pt"))
+        save = growth(functools.partial(pio.save, obj, f"{tmp}/ck.pt"))
         del obj
         gc.collect()
         plain = growth(lambda: torch.load(f"{tmp}/plain.pt", weights_only=True))

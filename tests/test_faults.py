@@ -23,11 +23,12 @@ import torch.distributed as dist
 from harness import RankFailure, run
 from torch import nn
 
-gather_mod = importlib.import_module("parts.partition.core.gather")  # (the package rebinds `gather`)
-grads_mod = importlib.import_module("parts.partition.core.grads")
 from parts.partition import (FetchCoordinator, attach, gather, partition_module, reduce_scatter_grads,
                              release, shards)
 from parts.partition.coordinator import RankDivergence
+
+gather_mod = importlib.import_module("parts.partition.core.gather")  # (the package rebinds `gather`)
+grads_mod = importlib.import_module("parts.partition.core.grads")
 
 SHORT = timedelta(seconds=2)  # collective timeout of the subgroup the parts API runs over
 WIDTH = 8

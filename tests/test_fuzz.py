@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 import torch.distributed as dist
 from harness import run

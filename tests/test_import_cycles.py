@@ -151,6 +151,15 @@ def test_parts_imports_no_recipe_or_benchmark() -> None:
     assert not bad, bad
 
 
+def test_nothing_in_parts_imports_integrations() -> None:
+    """Integrations sit above the parts: only parts.integrations itself imports it (an
+    import-linter contract cannot name the package before it exists, so it is checked here)."""
+    bad = [(m, line) for m in MODULES if not m.startswith("parts.integrations")
+           for s, n, line in imports(m)
+           if s.startswith("parts.integrations") or (s == "parts" and n == "integrations")]
+    assert not bad, bad
+
+
 if __name__ == "__main__":
     found = cycles(graph())
     for component in found:

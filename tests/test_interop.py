@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import run
 from parts.partition import meta, shards

@@ -137,8 +137,10 @@ def test_timer_accumulates_count_mean_reset():
     timers = Timers(clock=FakeClock(0.0, 1.0, 5.0, 8.0))
     fwd = timers("forward")
     assert timers("forward") is fwd
-    fwd.start(); fwd.stop()
-    fwd.start(); fwd.stop()
+    fwd.start()
+    fwd.stop()
+    fwd.start()
+    fwd.stop()
     assert fwd.count == 2 and fwd.mean() == 2.0
     assert fwd.elapsed(reset=False) == 4.0
     assert fwd.elapsed() == 4.0
@@ -174,8 +176,10 @@ def test_timer_context_manager_and_real_clock():
 def test_timers_log_local():
     lines = []
     timers = Timers(clock=FakeClock(0.0, 0.5, 1.0, 4.0))
-    timers("a").start(); timers("a").stop()
-    timers("b").start(); timers("b").stop()
+    timers("a").start()
+    timers("a").stop()
+    timers("b").start()
+    timers("b").stop()
     out = timers.log(["a", "b", "never"], normalizer=2.0, printer=lines.append)
     assert out == {"a": (0.25, 0.25), "b": (1.5, 1.5), "never": (0.0, 0.0)}
     assert lines == ["time (ms) min/max | a: 250.00/250.00 | b: 1500.00/1500.00 | never: 0.00/0.00"]
@@ -186,8 +190,10 @@ def _log_two_ranks():
     import torch.distributed as dist
     rank = dist.get_rank()
     timers = Timers(clock=FakeClock(0.0, 1.0 + rank, 10.0, 10.0 + 3.0 * (1 - rank)))
-    timers("fwd").start(); timers("fwd").stop()
-    timers("bwd").start(); timers("bwd").stop()
+    timers("fwd").start()
+    timers("fwd").stop()
+    timers("bwd").start()
+    timers("bwd").stop()
     lines = []
     result = timers.log(["fwd", "bwd"], normalizer=1.0, printer=lines.append)
     return result, lines

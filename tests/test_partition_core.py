@@ -50,7 +50,7 @@ class poisoned:
 
 # --------------------------------------------------------------------- shard/gather round trip
 def body_roundtrip(specs, seed, poison):
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     with poisoned() if poison else contextlib.nullcontext():
         bag = partition_module(Bag(specs, seed + rank))  # every rank has other values
         ref = Bag(specs, seed)  # rank 0's values

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import RankFailure, run
+from harness import run
 
 from parts.optim import BF16Optimizer
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 import weakref
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
