@@ -18,7 +18,7 @@ import torch.distributed as dist
 # imported. Imported after init_process_group (torch.optim's first optimizer imports it through
 # torch.distributed.fsdp), its functions keep the default process group alive, so
 # destroy_process_group cannot free it and gloo's threads run on into interpreter teardown
-# (issue 21 row 3). Imported here, before any group exists, those defaults are None.
+# and abort the exit. Imported here, before any group exists, those defaults are None.
 import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._python_dispatch import TorchDispatchMode

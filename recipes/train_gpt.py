@@ -8,7 +8,7 @@ The compute dtype is bf16 where this hardware runs it faster than fp32 (measured
 said in the header), fp32 otherwise. The model is built in fp32 under ``partitioned()`` (each
 rank keeps 1/N of every weight); in bf16, ``attach(mixed_precision=MixedPrecision())`` gathers
 weights as bf16 (cast before the all-gather) and reduce-scatters grads in fp32 into fp32 grad
-shards, so the fp32 shards are the masters and the loss tracks fp32 (issue 15). Weights below
+shards, so the fp32 shards are the masters and the loss tracks fp32. Weights below
 ``--persistence-threshold`` elements (100,000: the library's and DeepSpeed's default; at the
 default size that is every weight of this 0.83M model) are refreshed once per step in one
 all-gather and stay gathered; larger ones (all of them with ``--persistence-threshold 0``) are

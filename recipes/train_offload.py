@@ -184,7 +184,7 @@ def main() -> None:
         where = "partitioned() in memory" if args.in_memory else "partitioned(remote_device=store)"
         print(f"store: {store.mode}; building {args.params} under {where}; AdamW lr "
               f"{args.lr or lr_for(config_of(args)):.2e} ({max(args.warmup, 1)}-step warm-up), "
-              f"{args.batch_size} x {args.seq_len} tokens per rank, load average "
+              f"{args.batch_size} x {args.seq_len} tokens per rank, system load "
               f"{os.getloadavg()[0]:.1f}", flush=True)
     start = time.perf_counter()
     model, optimizer, schedule = build(args, store)
@@ -215,7 +215,7 @@ def main() -> None:
                             ("store per rank", f"{store.used_bytes / GiB:.1f} GiB ({store.mode})"),
                             ("CPU time per rank (user + sys)",
                              ", ".join(f"{u:.0f} + {k:.0f} s" for u, k in cpu)),
-                            ("load average (1, 5, 15 min)", " ".join(f"{x:.1f}" for x in os.getloadavg())),
+                            ("system load (1, 5, 15 min)", " ".join(f"{x:.1f}" for x in os.getloadavg())),
                             ("total time", report.clock(time.perf_counter() - start))]), flush=True)
     timer.remove()
     store.close()

@@ -1,15 +1,15 @@
 """Run by test_reliability_exit.py under torchrun: a short parts training run, then
-``destroy_process_group``; exits 3 if gloo's threads outlive the process group (issue 21 row 3).
+``destroy_process_group``; exits 3 if gloo's threads outlive the process group.
 
 ``keep`` (the user's shape): the model, coordinator and optimizer are still alive at
-``destroy_process_group`` (no ``del``, no ``gc.collect()``), right after a collective. Before
-the fix every parts object held the group strongly, so the group and its gloo workers lived
-into interpreter teardown; a worker still releasing the last collective's tensors there took
-the GIL, was ended by ``pthread_exit`` and aborted the process (``terminate called without an
-active exception``). Now parts holds groups weakly and ``destroy_process_group`` joins them.
+``destroy_process_group`` (no ``del``, no ``gc.collect()``), right after a collective. A parts
+object holding the group strongly would keep the group and its gloo workers alive into
+interpreter teardown, where a worker still releasing the last collective's tensors takes the
+GIL, is ended by ``pthread_exit`` and aborts the process (``terminate called without an
+active exception``). parts holds groups weakly, so ``destroy_process_group`` joins them.
 
 ``drop``: the objects are dropped and collected before ``destroy_process_group``; exits 4 if
-one is never freed (the reference cycles through hooks held in C++ of the earlier fix).
+one is never freed (a reference cycle through a hook held in C++ would keep it).
 """
 
 import gc

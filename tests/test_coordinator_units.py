@@ -119,7 +119,7 @@ def _default_schedule(**knobs) -> dict:
 
 
 def test_default_knobs_release_a_block_after_forward_unless_it_is_needed_soon():
-    """Defaults (issue 17): a block whose backward is more than ``max_reuse_distance`` (5M)
+    """Default knobs: a block whose backward is more than ``max_reuse_distance`` (5M)
     elements of other fetches away is released after its forward and gathered again for its
     backward; the last two (4M and 0 elements away) stay; prefetch reaches one unit ahead, so
     at most four of the six blocks are gathered at once. The math is that of keeping all."""

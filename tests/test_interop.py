@@ -1,4 +1,4 @@
-"""parts in the training loops people already have (issue 20): model.zero_grad, clipping,
+"""parts in the training loops people already have: model.zero_grad, clipping,
 .to()/.float(), buffers. World 2, each against the plain-PyTorch run on the whole batch."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Hugging Face models with parts (issue 20), world 2; skipped without transformers (parts[hf])."""
+"""Hugging Face models with parts, world 2; skipped without transformers (parts[hf])."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""HF ``Trainer`` on a model sharded by parts equals the DDP ``Trainer`` run (issue 20).
+"""HF ``Trainer`` on a model sharded by parts equals the DDP ``Trainer`` run.
 
 Launches ``recipes/hf_trainer.py --compare-ddp`` under torchrun at world 2 (Trainer reads
 its distributed setup from torchrun's environment, so the forked harness cannot stand in):

@@ -1,4 +1,4 @@
-"""The layers of CONTRIBUTING.md, checked on the source: who may import what (issue 19).
+"""The layers of CONTRIBUTING.md, checked on the source: who may import what.
 
 Read with ``ast`` (no import runs): every ``import``/``from ... import`` of every module
 under parts/, including imports inside functions (a lazy import is still a dependency).

@@ -1,4 +1,4 @@
-"""MixedPrecision (issue 15): fp32 shards as the master, bf16 compute and wire, fp32 grads.
+"""MixedPrecision: fp32 shards as the master, bf16 compute and wire, fp32 grads.
 
 * unit: the policy's validation, what ``attach`` records, bf16 bytes on the wire (counted);
 * exactness: the policy's grad shards are the fp32 sum of the bf16 full grads (reference
@@ -110,7 +110,7 @@ def test_grad_shards_are_fp32_sums_of_bf16_grads(micro: int) -> None:
         assert all(ok)
 
 
-# The policy, and one-change experiments around it (issue 15's hypotheses; fp32 has none).
+# The policy, and one-change experiments around it (fp32 has none).
 _EXPERIMENTS = {"parts": MixedPrecision(), "parts_rounded_init": MixedPrecision(),
                 "parts_ln_fp32": MixedPrecision(keep_fp32=(nn.LayerNorm,)),
                 "parts_reduce_bf16": MixedPrecision(reduce_dtype=BF16)}
@@ -132,7 +132,7 @@ def _train_body(system: str, steps: int) -> list:
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         params = list(model.parameters())
-    elif system == "bf16_optimizer":  # the recipe before issue 15: bf16 shards, fp32 masters from them
+    elif system == "bf16_optimizer":  # bf16 shards, fp32 masters rounded from them
         with partitioned(dtype=BF16):
             model = GPT(config)
         attach(model)

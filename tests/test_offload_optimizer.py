@@ -150,9 +150,9 @@ def test_world2_shards_bitwise(tmp_path, name):
 
 
 def test_two_optimizers_on_one_prefix_of_a_store_raise(tmp_path):
-    """Before: a second OffloadedOptimizer on the same store and prefix silently overwrote the
-    first one's state tensors (same keys). Now it raises naming the prefix; another prefix, or
-    the same prefix once the first optimizer is gone, works."""
+    """A second OffloadedOptimizer on the same store and prefix would overwrite the first one's
+    state tensors (same keys), so it raises naming the prefix; another prefix, or the same
+    prefix once the first optimizer is gone, works."""
     store = DiskStore(str(tmp_path))
     first_model, second_model = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     first = OffloadedOptimizer(torch.optim.Adam(first_model.parameters()), store)

@@ -205,8 +205,8 @@ def test_deleted_keys_free_their_files_and_names_are_not_reused(store):
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 def test_empty_writes_between_writes_keep_the_key_in_order(tmp_path, direct):
-    """Before: an empty write finished at once and the next write of the key waited only for it,
-    so an earlier write still in flight could land last and a read returned stale bytes."""
+    """An empty write between two writes of a key keeps them in order: the last write lands
+    last and a read returns its bytes, not an earlier write's still in flight."""
     with DiskStore(tmp_path, threads=4, block_bytes=4096, direct=direct) as store:
         for trial in range(200):
             first, last = torch.tensor([float(trial)]), torch.tensor([-float(trial) - 1])

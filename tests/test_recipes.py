@@ -3,7 +3,7 @@ tiny settings, checked on what it prints and writes.
 
 This is the one test file that launches processes itself: torchrun is the thing under test.
 Each recipe is launched at least twice and every launch must exit 0 with a clean stderr
-(a spurious SIGABRT at teardown shows on some launches only: issue 21 row 3). All selected
+(an abort at teardown would show on some launches only). All selected
 launches start together (one module fixture) and each test waits for its own, so the file
 takes about as long as the slowest recipe rather than the sum (torch import and the first
 optimizer step cost ~10 s per process on 2 cores). To add a recipe: one more ``Case``
@@ -44,7 +44,7 @@ class Case:
     check: Callable[[str, Path], None]
     nproc: int = 2
     no_numpy: bool = False  # run with numpy unimportable (tests/no_numpy_run.py), as in a fresh venv
-    launches: int = 2  # all at once; every one must exit 0 (issue 21 row 3)
+    launches: int = 2  # all at once; every one must exit 0
 
 
 # ------------------------------------------------------------------ checks

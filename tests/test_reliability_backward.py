@@ -1,4 +1,4 @@
-"""Issue 21 row 6: a second backward through a retained graph, and a gradient penalty
+"""A second backward through a retained graph, and a gradient penalty
 (``autograd.grad(create_graph=True)`` then ``backward``), on parameters the coordinator releases
 after use (above the persistence threshold, ``max_reuse_distance=0`` too): the grad shards equal
 plain torch's averaged per-rank grads (what DDP computes) at world 2 and 3.
@@ -82,8 +82,8 @@ KNOBS = {"released after use": dict(persistence_threshold=0),
 @pytest.mark.parametrize("knobs", sorted(KNOBS))
 @pytest.mark.parametrize("world", [2, 3])
 def test_second_backward_and_gradient_penalty_equal_plain_torch(case: str, knobs: str, world: int) -> None:
-    """Row 6: before, the second pass found the weights released (``setStorage ... storage of
-    size 0``) and ``autograd.grad`` w.r.t. a released weight raised "still being gathered"."""
+    """The second pass gathers the released weights again, and ``autograd.grad`` w.r.t. a
+    released weight gets its grad: both equal plain torch."""
     for rank_pairs in run(world, sharded_vs_plain, case, KNOBS[knobs], timeout=FAST):
         for got, want in rank_pairs:
             assert got.shape == want.shape

@@ -1,4 +1,4 @@
-"""Issue 21 row 3: a script using parts under torchrun exits 0, every time.
+"""A script using parts under torchrun exits 0, every time.
 
 The abort at exit (``terminate called without an active exception``, SIGABRT): a gloo worker
 thread (``pt_gloo_runloop``) still releasing a finished collective's tensors takes the GIL

@@ -1,4 +1,4 @@
-"""Issue 21, parts.io row 9: save only writes what load accepts (checked at save time)."""
+"""parts.io: save only writes what load accepts (checked at save time)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from parts import io as pio
     ({1, 2}, "obj['args'] is a builtins.set"),
 ])
 def test_save_refuses_values_load_would_refuse(tmp_path: Path, value: object, fragment: str) -> None:
-    """Row 9: a TypeError naming the value, and no file written (before: saved, then unloadable)."""
+    """A TypeError naming the value, and no file written (nothing unloadable is saved)."""
     with pytest.raises(TypeError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         pio.save({"w": torch.ones(2), "args": value}, tmp_path / "ck.pt")
     assert not any(tmp_path.iterdir())
@@ -28,7 +28,7 @@ def test_save_refuses_values_load_would_refuse(tmp_path: Path, value: object, fr
     {0: torch.ones(1), "0": torch.zeros(1)},
 ])
 def test_save_refuses_tensor_names_that_collide(tmp_path: Path, obj: dict) -> None:
-    """Row 9: two tensors with one manifest name cannot be verified on load: refused at save."""
+    """Two tensors with one manifest name cannot be verified on load: refused at save."""
     with pytest.raises(ValueError, match="two tensors are both named"):
         pio.save(obj, tmp_path / "ck.pt")
     assert not any(tmp_path.iterdir())
@@ -45,7 +45,7 @@ def test_save_accepts_what_load_accepts(tmp_path: Path) -> None:
 
 
 def test_save_writes_mode_0644_and_removes_stale_temporaries(tmp_path: Path) -> None:
-    """Row 10: files get open()'s mode (0644 under umask 022, as torch.save), not mkstemp's 0600;
+    """Files get open()'s mode (0644 under umask 022, as torch.save), not mkstemp's 0600;
     a temporary left by a killed save (its pid gone) is removed, a live writer's is kept."""
     import os
     stale = tmp_path / ".ck.pt.999999999.x1.tmp"  # no such pid
@@ -61,9 +61,9 @@ def test_save_writes_mode_0644_and_removes_stale_temporaries(tmp_path: Path) -> 
 
 
 def test_save_streams_and_load_holds_what_torch_load_holds() -> None:
-    """Row 10: a 64 MiB checkpoint. Before: save grew peak RSS by the whole payload (an
-    in-memory copy), load by twice it (file bytes, then the tensors); now save adds at most
-    16 MiB and load at most 16 MiB (its 8 MiB read buffer) over what torch.load adds."""
+    """A 64 MiB checkpoint: save streams (no in-memory copy of the payload) and adds at most
+    16 MiB of peak RSS; load adds at most 16 MiB (its 8 MiB read buffer) over what torch.load
+    adds (no second copy of the file bytes)."""
     import subprocess
     import sys
     from pathlib import Path

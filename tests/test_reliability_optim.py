@@ -1,4 +1,4 @@
-"""Issue 21, BF16Optimizer rows: stale masters, group order on load, rank-asymmetric loads."""
+"""BF16Optimizer: stale masters, group order on load, rank-asymmetric loads."""
 
 from __future__ import annotations
 
@@ -66,17 +66,17 @@ def load_after_build_sharded() -> float:
 
 @pytest.mark.parametrize("via", ["load_state_dict", "copy_"])
 def test_weights_loaded_after_building_the_optimizer_survive_a_step_replicated(via: str) -> None:
-    """Row 1: a step at lr 1e-9 keeps the loaded weights (bf16: an lr-1e-9 update rounds away)."""
+    """A step at lr 1e-9 keeps the loaded weights (bf16: an lr-1e-9 update rounds away)."""
     assert run(2, load_after_build_replicated, via, timeout=FAST) == [0.0, 0.0]
 
 
 def test_weights_loaded_after_building_the_optimizer_survive_a_step_sharded() -> None:
-    """Row 1 on a model sharded by parts.partition, loaded with load_full_state_dict."""
+    """The same on a model sharded by parts.partition, loaded with load_full_state_dict."""
     assert run(3, load_after_build_sharded, timeout=FAST) == [0.0, 0.0, 0.0]
 
 
 def missing_keys_of_rank0_dict() -> tuple:
-    """Row 8: load rank 0's dict (other ranks pass {}), once complete and once without a key."""
+    """Load rank 0's dict (other ranks pass {}), once complete and once without a key."""
     from parts.partition import load_full_state_dict, partition_module
     model, sd = mlp(), pretrained()
     partition_module(model)
@@ -87,7 +87,7 @@ def missing_keys_of_rank0_dict() -> tuple:
 
 
 def test_load_full_state_dict_reports_rank0_keys_on_every_rank() -> None:
-    """Row 8: every rank reports what was loaded (rank 0's verdict), not its own empty dict."""
+    """Every rank reports what was loaded (rank 0's verdict), not its own empty dict."""
     for full, part in run(3, missing_keys_of_rank0_dict, timeout=FAST):
         assert full == ([], [])
         assert part == (["2.bias"], [])
@@ -100,7 +100,7 @@ def _grouped(model: torch.nn.Module, order: list[int], lrs: list[float]) -> BF16
 
 
 def groups_in_another_order() -> tuple:
-    """Row 7: save with groups (layer 0 lr .1, layer 2 lr .2), load into (layer 2, layer 0)."""
+    """Save with groups (layer 0 lr .1, layer 2 lr .2), load into (layer 2, layer 0)."""
     model = mlp()
     saved = _grouped(model, [0, 2], [0.1, 0.2])
     one_step(model, saved)
@@ -130,14 +130,14 @@ def dist_gather(obj: object) -> list:
 
 
 def test_load_state_dict_matches_groups_by_parameter_not_position() -> None:
-    """Row 7: settings follow the params by name; a group mixing saved settings raises."""
+    """Settings follow the params by name; a group mixing saved settings raises."""
     for lrs, same, merged_lr, conflict in run(2, groups_in_another_order, timeout=FAST):
         assert lrs == [0.2, 0.1] and same and merged_lr == 0.1
         assert "param group 0 holds parameters saved in param groups 0 and 1" in conflict, conflict
 
 
 def load_rank_asymmetric(case: str) -> tuple:
-    """Row 11: one rank cannot load (a saved rank's dict missing, or None); every rank must raise."""
+    """One rank cannot load (a saved rank's dict missing, or None); every rank must raise."""
     model = mlp()
     opt = BF16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                         named_parameters=model.named_parameters())
@@ -161,7 +161,7 @@ def load_rank_asymmetric(case: str) -> tuple:
 
 @pytest.mark.parametrize("case", ["missing rank", "None on rank 1"])
 def test_load_state_dict_failing_on_one_rank_raises_on_every_rank(case: str) -> None:
-    """Row 11: the rank that cannot load says why, the others name it; nothing changed, no hang."""
+    """The rank that cannot load says why, the others name it; nothing changed, no hang."""
     (out0, flag0, same0), (out1, flag1, same1) = run(2, load_rank_asymmetric, case, timeout=FAST)
     assert flag0 == flag1 == 2.0 and same0 and same1
     assert out0.startswith("RankDisagreement") and "rank 1:" in out0, out0
@@ -171,7 +171,7 @@ def test_load_state_dict_failing_on_one_rank_raises_on_every_rank(case: str) -> 
 
 
 def subgroup_model_world_optimizer() -> str:
-    """Row 4: model sharded over ranks [0, 1] of 3; BF16Optimizer built without group=."""
+    """Model sharded over ranks [0, 1] of 3; BF16Optimizer built without group=."""
     from datetime import timedelta
 
     from parts.partition import gathered, partition_module, reduce_scatter_grads
@@ -192,7 +192,7 @@ def subgroup_model_world_optimizer() -> str:
 
 
 def test_subgroup_sharded_model_with_a_world_optimizer_raises() -> None:
-    """Row 4: a clear error at construction naming the param and both rank lists, not a hang."""
+    """A clear error at construction naming the param and both rank lists, not a hang."""
     out = run(3, subgroup_model_world_optimizer, timeout=FAST)
     assert out[2] == "not in the sub-group"
     for msg in out[:2]:

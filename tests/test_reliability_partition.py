@@ -1,4 +1,4 @@
-"""Issue 21, parts.partition rows: writes through ``.data`` of a sharded parameter."""
+"""parts.partition: writes through ``.data`` of a sharded parameter."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def sharded_mlp() -> torch.nn.Module:
 
 
 def data_write(op: str) -> None:
-    """Row 2: ``p.data.<op>`` on a released sharded parameter (after construction)."""
+    """``p.data.<op>`` on a released sharded parameter (after construction)."""
     model = sharded_mlp()
     data = model[2].weight.data
     assert data.shape == (0,) and data.numel() == 0  # metadata still answers
@@ -29,7 +29,7 @@ def data_write(op: str) -> None:
 
 @pytest.mark.parametrize("op", ["zero_", "normal_"])
 def test_data_write_on_a_released_sharded_param_raises(op: str) -> None:
-    """Row 2: the write would go nowhere, so it raises naming the param and the way to write it."""
+    """The write would go nowhere, so it raises naming the param and the way to write it."""
     with pytest.raises(RankFailure, match=rf"parameter '2.weight' \(5, 13\).*`Tensor.{op}`.*"
                                           r"silently change nothing.*modifier_rank=0"):
         run(2, data_write, op, timeout=FAST)
@@ -46,12 +46,12 @@ def data_write_gathered() -> bool:
 
 
 def test_data_write_inside_gathered_with_modifier_rank_reaches_the_shards() -> None:
-    """Row 2: the remedy works on every rank."""
+    """The remedy works on every rank."""
     assert run(2, data_write_gathered, timeout=FAST) == [True, True]
 
 
 def uneven_steps(case: str) -> str:
-    """Row 5: debug mode; rank 1 runs one batch fewer, then every rank saves (or steps)."""
+    """Debug mode; rank 1 runs one batch fewer, then every rank saves (or steps)."""
     from datetime import timedelta
 
     from parts.optim import BF16Optimizer
@@ -79,7 +79,7 @@ def uneven_steps(case: str) -> str:
 
 @pytest.mark.parametrize("case", ["uneven", "skip"])
 def test_debug_mode_names_ranks_and_steps_of_an_uneven_batch_count(case: str) -> None:
-    """Row 5: RankDivergence on both ranks naming what each does and how many steps it began."""
+    """RankDivergence on both ranks naming what each does and how many steps it began."""
     out = run(2, uneven_steps, case, timeout=FAST)
     assert out[0] == out[1], out
     msg = out[0]

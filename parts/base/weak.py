@@ -4,7 +4,7 @@ A hook registered on a tensor (``register_post_accumulate_grad_hook``) is held b
 on the C++ side, where Python's garbage collector cannot see it. A hook that is a bound method
 of an object which itself references the tensor (a coordinator, an optimizer) closes a cycle
 the collector never frees: the object, its model and its process group (with gloo's threads)
-then live until interpreter teardown, past ``destroy_process_group`` (issue 21 row 3).
+then live until interpreter teardown, past ``destroy_process_group`` (see ``parts.comm.WeakGroup``).
 ``weak_method`` breaks the cycle: the hook holds its object weakly and does nothing once the
 object is gone.
 """

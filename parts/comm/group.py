@@ -65,7 +65,7 @@ class WeakGroup:
     gloo's worker threads, alive into interpreter teardown: a worker still releasing a
     finished collective's tensors there takes the GIL, the finalizing interpreter ends it with
     ``pthread_exit`` and the unwind through a ``noexcept`` destructor aborts the process
-    (``terminate called without an active exception``, issue 21 row 3). Reading the
+    (``terminate called without an active exception``). Reading the
     attribute once the group is gone raises, naming it. Usable as a dataclass field default.
     """
 

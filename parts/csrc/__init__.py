@@ -22,9 +22,9 @@ __all__ = ["flatten", "unflatten", "copy_in", "copy_out", "backend", "NATIVE_DEF
            "NativeFallbackWarning", "native", "reference"]
 
 # Per-op default from benchmarks/bench_native.py --threads 1 (the per-rank setting): geometric
-# mean of native/torch time over 1-256 MB x 10-1000 tensors, fp32, world 2 (2026-11-30, busy
-# 2-core VM). Native wins by skipping per-tensor Python/dispatch work; both tie when one big
-# memcpy dominates. With 2 threads on a loaded machine native won by more (one parallel region
+# mean of native/torch time over 1-256 MB x 10-1000 tensors, fp32, world 2, on a busy 2-core
+# VM. Native wins by skipping per-tensor Python/dispatch work; both tie when one big memcpy
+# dominates. With 2 threads on a loaded machine native won by more (one parallel region
 # per call instead of one per tensor).
 NATIVE_DEFAULT: dict[str, bool] = {
     "flatten": True,  # 0.88 (0.61-0.73 at 1 MB with >=100 tensors; 0.84-1.06 elsewhere)

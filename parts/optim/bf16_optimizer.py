@@ -48,7 +48,7 @@ class BF16Optimizer(OptimizerWrapper):
     the skip on a non-finite norm and ``last_grad_norm`` then use that grid-wide norm.
     """
 
-    process_group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
+    process_group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, group: GroupArg = None,
                  clip_grad: float = 0.0, norm_type: float = 2.0,

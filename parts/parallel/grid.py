@@ -22,7 +22,7 @@ class ParallelGrid:
     Attributes: ``group`` (the parent), ``tp_group``, ``dp_group``, ``tp_rank``, ``dp_rank``,
     ``tp_size``, ``dp_size``, ``layout`` (the pure :class:`GridLayout`), ``tp_ranks`` and
     ``dp_ranks`` (global ranks of this rank's groups). The groups are held weakly (torch holds
-    them until ``destroy_process_group``; issue 21 row 3).
+    them until ``destroy_process_group``; see ``parts.comm.WeakGroup``).
     """
 
     group, tp_group, dp_group = WeakGroup(), WeakGroup(), WeakGroup()

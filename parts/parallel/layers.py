@@ -69,7 +69,7 @@ def _full_init(out_features: int, in_features: int, bias: bool,
 class _TPLinear(nn.Module):
     """Shared set-up: group, sizes, target dtype and device."""
 
-    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
+    group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
 
     def __init__(self, in_features: int, out_features: int, group: GroupArg,
                  dtype: Optional[torch.dtype], device: Optional[torch.device]) -> None:

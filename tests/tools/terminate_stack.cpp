@@ -1,4 +1,4 @@
-// Native stack of a "terminate called ..." abort (issue 21 row 3): an LD_PRELOAD library whose
+// Native stack of a "terminate called ..." abort at exit: an LD_PRELOAD library whose
 // constructor installs a std::terminate handler that prints the calling thread's name and its
 // backtrace (demangled where the symbol is exported) to stderr, then aborts as before.
 //

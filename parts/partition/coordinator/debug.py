@@ -146,7 +146,7 @@ class StepCheck:
     step it belongs to; the step's event counter ``seq`` advances with each point.
     """
 
-    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
+    group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
 
     def __init__(self, enabled: bool, names: Sequence[str], group: GroupArg) -> None:
         self.enabled, self.names, self.group = enabled, names, group

@@ -183,7 +183,7 @@ class AttachedLookup:
     A ``WeakKeyDictionary`` with the coordinator as a plain value never forgets anything: the
     coordinator references its modules, so every key stays alive through its own value, and
     an attached model (with its process group and gloo threads) outlived ``del model`` and
-    ``destroy_process_group`` until interpreter teardown (issue 21 row 3). Here the value is
+    ``destroy_process_group`` until interpreter teardown. Here the value is
     a weak reference too; the coordinator lives as long as its hooks on the model do.
     """
 

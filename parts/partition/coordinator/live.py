@@ -40,7 +40,7 @@ class LiveSet:
     kept for the next gathers (None with ``cache_freed_storage=False``).
     """
 
-    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
+    group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
 
     def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, counters: StepCounters) -> None:
         self.table, self.knobs, self.group, self.counters = table, knobs, group, counters
