@@ -1,18 +1,24 @@
 """``torch.compile`` on an attached model: each block compiles to one graph, the
 coordinator's hooks run outside it.
 
-Dynamo cannot trace the coordinator: its hooks run collectives, switch parameter classes and
-resize storages, and a block whose submodules carry hooks breaks its graph at each of them.
-``compile_blocks(model, blocks)`` therefore *fuses* each block: the block's own hooks fetch
-every parameter of its subtree (one group of collectives, before forward and before
-backward), its submodules lose their hooks, and only the block's ``forward`` (not the hooked
-module call) is compiled. The hooks run eagerly around the compiled forward; inside it every
-parameter is gathered, so dynamo sees ordinary full parameters and one graph per block.
+Two ways, both with the coordinator's hooks outside the graphs (they run collectives,
+switch parameter classes and resize storages: nothing dynamo can trace):
 
-Limits: a fused block's parameters are not watched for reads by other modules (a tied weight
-read outside its block must be declared with ``register_external_parameter``); the block's
-forward is compiled for the coordinator's use only: after ``detach`` call
-``uncompile_blocks`` (or the compiled forward meets released parameters and raises).
+* ``torch.compile(model)`` / ``model.compile()``: the hooks are ``torch.compiler.disable``d
+  (hooks.py ``eager``), so dynamo breaks the graph at each fetch unit's hooks and compiles
+  the regions between them, FSDP2's way: a block's forward, whose submodules carry no hooks,
+  is one graph. ``fullgraph=True`` cannot hold the hooks: dynamo raises, naming ``compile_blocks``.
+* ``compile_blocks(model, blocks)`` *fuses* each block: the block's own hooks fetch every
+  parameter of its subtree (one group of collectives, before forward and before backward),
+  its submodules lose their hooks, and only the block's ``forward`` (not the hooked module
+  call) is compiled, so ``fullgraph=True`` works. The hooks run eagerly around the compiled
+  forward; inside it every parameter is gathered, so dynamo sees ordinary full parameters.
+
+Limits of ``compile_blocks``: a fused block's parameters are not watched for reads by other
+modules (a tied weight read outside its block must be declared with
+``register_external_parameter``); the block's forward is compiled for the coordinator's use
+only: after ``detach`` call ``uncompile_blocks`` (or the compiled forward meets released
+parameters and raises).
 """
 
 from __future__ import annotations
