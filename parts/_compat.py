@@ -21,12 +21,7 @@ import torch.distributed as dist
 # and abort the exit. Imported here, before any group exists, those defaults are None.
 import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.modules.module import _IncompatibleKeys
-from torch.utils._python_dispatch import TorchDispatchMode
-
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "can_swap_storage_data", "swap_storage_data",
-           "in_backward", "on_backward_end", "default_torch_function", "incompatible_keys",
-           "init_optimizer_hooks", "TENSOR_BASE", "TorchDispatchMode", "dynamo_counters",
-           "counting_backend", "storage_less_tensor", "never_compiled"]
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # for parts.observe
 
 TENSOR_BASE = torch._C.TensorBase
 """The C base class of ``torch.Tensor`` (the ``__objclass__`` of its methods)."""

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
-__all__ = ["Box", "flat_boxes"]
 
 
 @dataclass(frozen=True)

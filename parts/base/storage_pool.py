@@ -30,7 +30,6 @@ import torch
 
 from parts._compat import can_swap_storage_data, swap_storage_data
 
-__all__ = ["StoragePool"]
 
 
 class StoragePool:

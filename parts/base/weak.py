@@ -14,7 +14,6 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-__all__ = ["weak_method"]
 
 
 def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:

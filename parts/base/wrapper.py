@@ -14,7 +14,6 @@ import torch
 
 from parts._compat import init_optimizer_hooks
 
-__all__ = ["OptimizerWrapper"]
 
 
 class OptimizerWrapper(torch.optim.Optimizer):

@@ -6,7 +6,6 @@ import torch
 
 from parts.comm import GroupArg, all_gather, group_info
 
-__all__ = ["gather_shares", "gather_checksums"]
 
 
 def gather_shares(share: torch.Tensor, padded_numel: int, group: GroupArg) -> torch.Tensor:

@@ -1,29 +1,40 @@
-"""Checks that must pass on every rank of a group before any rank acts on them.
+"""Checks and steps that must pass on every rank of a group before any rank acts on them.
 
 One rank raising while the others go on into a collective is itself a hang: a state dict
-missing on one rank, a checkpoint file only some ranks could read. ``agree`` runs a check
-on every rank, exchanges the verdicts (one object all-gather) and raises on every rank if
-any rank failed, naming the ranks and their errors; nothing has changed on any rank then.
+missing on one rank, a checkpoint file only some ranks could read. Every such step runs its
+local part on every rank, exchanges the outcome (a result, or a ``Failure`` record:
+recognised by type after pickling, never by identity) and, if any rank failed, raises on
+every rank, naming the failing ranks and their errors.
+
+- ``agree(check, info, what)``: nothing is exchanged but the verdicts; the failing rank
+  re-raises its own exception, the others raise ``RankDisagreement``.
+- ``all_gather_agreed(fn, info, error)`` / ``broadcast_agreed(fn, src, info, error)``: the
+  results themselves are exchanged; on a failure ``error(failures)`` is raised on every rank
+  (chained to the local exception where there is one).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Mapping, Optional, TypeVar
 
+from parts.comm.failure import Failure, RankDisagreement, attempt, describe, failures_in
 from parts.comm.group import GroupInfo
-from parts.comm.objects import all_gather_objects
+from parts.comm.objects import all_gather_objects, broadcast_object
 
-__all__ = ["RankDisagreement", "agree"]
+__all__ = ["RankDisagreement", "Failure", "agree", "all_gather_agreed", "broadcast_agreed"]
 
 T = TypeVar("T")
+ErrorFor = Callable[[Mapping[int, Failure]], BaseException]
 
 
-class RankDisagreement(RuntimeError):
-    """A check failed on other ranks of the group (this rank's own check passed)."""
-
-
-def _describe(verdicts: list[Optional[str]], ranks: list[int]) -> str:
-    return "; ".join(f"rank {r}: {v}" for r, v in zip(ranks, verdicts) if v is not None)
+def _raise(failures: Mapping[int, Failure], own: Optional[BaseException], error: ErrorFor) -> None:
+    """Raise ``error(failures)`` if there are failures (from ``own``, this rank's exception)."""
+    if not failures:
+        return
+    raised = error(failures)
+    if own is None or raised is own:
+        raise raised
+    raise raised from own
 
 
 def agree(check: Callable[[], T], info: GroupInfo, what: str) -> T:
@@ -31,18 +42,32 @@ def agree(check: Callable[[], T], info: GroupInfo, what: str) -> T:
 
     A rank whose own check raised re-raises its exception (type kept); the others raise
     ``RankDisagreement`` naming the failing ranks and their messages."""
-    error: Optional[BaseException] = None
-    result = None
-    try:
-        result = check()
-    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        error = exc
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    verdicts = all_gather_objects(mine, info.group) if info.world_size > 1 else [mine]
-    if error is not None:
-        raise error
-    if any(v is not None for v in verdicts):
-        ranks = list(range(len(verdicts)))
-        raise RankDisagreement(f"{what} failed on other ranks of the group, so no rank went on "
-                               f"(group ranks) {_describe(verdicts, ranks)}")
-    return result  # type: ignore[return-value]
+    result, own = attempt(check, info.rank)
+    verdict = result if own is not None else None
+    verdicts = all_gather_objects(verdict, info.group) if info.world_size > 1 else [verdict]
+
+    def error(failures: Mapping[int, Failure]) -> BaseException:
+        if own is not None:
+            return own
+        return RankDisagreement(f"{what} failed on other ranks of the group, so no rank went on "
+                                f"(group ranks) {describe(failures)}")
+    _raise(failures_in(verdicts), own, error)
+    return result
+
+
+def all_gather_agreed(fn: Callable[[], T], info: GroupInfo, error: ErrorFor) -> list[T]:
+    """Every rank's ``fn()``, in group-rank order, if it returned on every rank; otherwise
+    ``error(failures)`` raised on every rank."""
+    mine, own = attempt(fn, info.rank)
+    every = all_gather_objects(mine, info.group) if info.world_size > 1 else [mine]
+    _raise(failures_in(every), own, error)
+    return every
+
+
+def broadcast_agreed(fn: Callable[[], T], src: int, info: GroupInfo, error: ErrorFor) -> T:
+    """``fn()`` run on group rank ``src`` only, on every rank; if it raised there,
+    ``error(failures)`` raised on every rank."""
+    mine, own = attempt(fn, info.rank) if info.rank == src else (None, None)
+    result = broadcast_object(mine, src, info.group) if info.world_size > 1 else mine
+    _raise({src: result} if isinstance(result, Failure) else {}, own, error)
+    return result

@@ -20,10 +20,6 @@ from parts.comm.group import GroupArg, GroupInfo, group_info, is_distributed
 from parts.comm.packed import FinishAfter, PackedAllGather, PackedReduceScatter, split_small
 from parts.comm.work import Waitable, Work, WorkList
 
-__all__ = ["ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
-           "all_reduce", "broadcast", "all_gather_list",
-           "new_group", "comm_device", "min_max"]
-
 ReduceOp = dist.ReduceOp
 """The reduction ops (``ReduceOp.SUM``, ``MAX``, ``MIN``, ...)."""
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CommCounter", "comm_counter", "wire_bytes"]
 
 
 def wire_bytes(chunk_bytes: int, world_size: int) -> int:

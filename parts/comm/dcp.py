@@ -44,7 +44,6 @@ from parts.base.boxes import flat_boxes
 from parts.comm.group import GroupArg, group_info
 from parts.comm.objects import all_gather_objects, broadcast_object
 
-__all__ = ["ShardView", "save", "load", "settle", "is_deferred", "same_piece", "CheckpointError"]
 
 
 def is_deferred(piece: Any) -> bool:

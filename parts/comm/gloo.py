@@ -29,7 +29,6 @@ import torch.distributed as dist
 from parts._compat import all_gather_flat, reduce_scatter_flat
 from parts.comm.work import Waitable, WorkList
 
-__all__ = ["all_gather_direct", "reduce_scatter_consuming", "sums_on_receipt"]
 
 
 def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None,

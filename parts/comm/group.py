@@ -14,9 +14,6 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["ProcessGroup", "GroupArg", "GroupInfo", "WeakGroup", "is_distributed", "resolve_group", "group_info",
-           "check_member", "is_member", "require_distributed", "global_rank", "env_world_size"]
-
 ProcessGroup = dist.ProcessGroup
 """The torch process-group type (what ``torch.distributed.new_group`` returns)."""
 

@@ -22,7 +22,6 @@ import torch
 from parts.comm.collectives import ReduceOp, all_reduce
 from parts.comm.group import GroupInfo
 
-__all__ = ["counts", "global_norm", "scale_"]
 
 
 def counts(p: torch.Tensor, tp_rank: int, dp_rank: int, dp_replicated: bool) -> bool:

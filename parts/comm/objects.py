@@ -13,7 +13,6 @@ import torch
 from parts.comm.collectives import all_gather_list, broadcast, comm_device
 from parts.comm.group import GroupArg, GroupInfo, group_info
 
-__all__ = ["all_gather_objects", "broadcast_object"]
 
 
 def _active(group: GroupArg) -> GroupInfo | None:

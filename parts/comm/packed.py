@@ -23,8 +23,6 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-__all__ = ["PACK_NUMEL", "FinishAfter", "PackedAllGather", "PackedReduceScatter", "split_small"]
-
 PACK_NUMEL = 1 << 18
 """Chunks (per-rank elements) up to this size are packed with the others of their call: the
 copies in and out cost less than a collective's fixed cost up to about 1 MiB of fp32."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-__all__ = ["Waitable", "Work", "WorkList"]
 
 
 class Waitable(Protocol):

@@ -14,8 +14,6 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["load_native", "cache_dir", "NativeUnavailable"]
-
 _SOURCES = ["ops.cpp"]
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "ok": bool, "error": str once load_native has run

@@ -6,7 +6,6 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["check_flatten", "check_unflatten", "check_copy_in", "check_copy_out"]
 
 
 def _same_kind(t: torch.Tensor, ref: torch.Tensor, what: str) -> None:

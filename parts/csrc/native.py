@@ -13,7 +13,6 @@ import torch
 from ._build import NativeUnavailable, load_native
 from ._validate import check_copy_in, check_copy_out, check_flatten, check_unflatten
 
-__all__ = ["flatten", "unflatten", "copy_in", "copy_out", "available", "NativeUnavailable"]
 
 
 def available() -> bool:

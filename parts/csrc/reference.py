@@ -8,7 +8,6 @@ import torch
 
 from ._validate import check_copy_in, check_copy_out, check_flatten, check_unflatten
 
-__all__ = ["flatten", "unflatten", "copy_in", "copy_out"]
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

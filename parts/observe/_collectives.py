@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from parts.comm import GroupArg, group_info
 
-__all__ = ["rank"]
 
 
 def rank(group: GroupArg = None) -> int:

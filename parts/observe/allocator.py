@@ -15,8 +15,6 @@ import ctypes.util
 import functools
 from typing import Optional
 
-__all__ = ["set_mmap_threshold", "trim_allocator"]
-
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 
 

@@ -9,7 +9,6 @@ import torch
 from parts.offload.spares import Spares
 from parts.offload.store import IOHandle
 
-__all__ = ["Batch", "discard"]
 
 
 class Batch:

@@ -21,9 +21,6 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["ALIGN", "ALIGN_MIN", "OPS", "DiskFullError", "aligned_buffer", "aligned_empty", "worth_aligning",
-           "is_aligned", "round_up", "probe_direct", "open_file", "reserve", "write_bytes", "read_bytes"]
-
 ALIGN = 4096
 ALIGN_MIN = 16 * ALIGN
 OPS = SimpleNamespace(pwritev=os.pwritev, preadv=os.preadv, fallocate=getattr(os, "posix_fallocate", None))

@@ -18,8 +18,6 @@ import itertools
 import threading
 from typing import Callable, Optional
 
-__all__ = ["Op", "IOQueue", "URGENT", "READ", "WRITE"]
-
 URGENT, READ, WRITE = 0, 1, 2
 """Queue lanes, served in this order."""
 

@@ -28,8 +28,6 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-__all__ = ["OWNER_FILE", "write_owner", "reclaim", "watch", "directory_bytes"]
-
 OWNER_FILE = "owner.json"
 PREFIX = "parts-store-"
 logger = logging.getLogger("parts.offload")

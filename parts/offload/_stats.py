@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StoreStats", "Meter"]
 
 
 @dataclass

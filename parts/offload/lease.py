@@ -29,8 +29,6 @@ import torch
 from parts.offload import parking
 from parts.offload.store import DiskStore
 
-__all__ = ["Stored", "Lease", "lease_of", "stored_of_parked"]
-
 _ATTR = "_parts_lease"
 
 

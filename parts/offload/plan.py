@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["plan_chunks", "OffloadBudget", "memory_bound"]
 
 
 def plan_chunks(costs: Sequence[int], chunk_bytes: int) -> list[tuple[int, ...]]:

@@ -22,7 +22,6 @@ import torch
 
 from parts.offload._fileio import aligned_empty, worth_aligning
 
-__all__ = ["Spares"]
 
 
 class Spares:

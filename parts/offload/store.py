@@ -42,11 +42,11 @@ import torch
 
 from parts.base.storage_pool import StoragePool
 from parts.offload import _fileio, _scratch
-from parts.offload._fileio import ALIGN, DiskFullError, round_up
+from parts.offload._fileio import ALIGN, round_up
+from parts.offload._fileio import DiskFullError as DiskFullError  # raised by writes: part of the store
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
 
-__all__ = ["DiskStore", "IOHandle", "StoreStats", "DiskFullError"]
 
 
 class IOHandle:

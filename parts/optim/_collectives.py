@@ -12,8 +12,6 @@ from parts.comm import GroupInfo, ReduceOp, all_gather, all_reduce, group_info, 
 
 from .layout import BucketPiece
 
-__all__ = ["reduce_scatter_mean", "all_reduce_norm", "gather_buckets", "all_gather_partition",
-           "all_reduce_mean"]
 
 
 def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, info: GroupInfo) -> None:

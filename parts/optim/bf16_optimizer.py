@@ -11,6 +11,8 @@ import torch
 from parts.base.weak import weak_method
 from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ProcessGroup, WeakGroup, resolve_group
+from parts.partition.core.param import is_partitioned, meta
+from parts.partition.core.points import announce
 
 from . import _collectives as C
 from . import offloaded
@@ -18,10 +20,8 @@ from . import state_dict as ckpt
 from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
-from .sharded import ShardedParam, announce, is_partitioned, meta
+from .sharded import ShardedParam
 from .validation import ParamChecker, check_options, check_param_dtype, check_shard_group
-
-__all__ = ["BF16Optimizer"]
 
 logger = logging.getLogger("parts.optim")
 

@@ -28,7 +28,6 @@ from .flat_group import FlatGroup
 from .masters import Masters
 from .sharded import ShardedParam
 
-__all__ = ["sharded_state_dict", "load_sharded_state_dict"]
 
 
 def _fqn_of(model: nn.Module) -> dict[int, str]:

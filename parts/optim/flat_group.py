@@ -10,8 +10,6 @@ from parts.csrc import copy_in
 
 from .layout import GroupLayout, chunk_ranges
 
-__all__ = ["FlatGroup", "SHARDED_GRAD_DTYPE"]
-
 SHARDED_GRAD_DTYPE = torch.float32
 
 

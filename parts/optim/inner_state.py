@@ -16,7 +16,6 @@ import torch
 
 from parts.partition.core import disk
 
-__all__ = ["is_elementwise", "keys", "scalars", "tensor", "full", "replace", "put"]
 
 
 def is_elementwise(value: Any, master: torch.Tensor) -> bool:

@@ -21,9 +21,6 @@ from typing import Sequence
 
 from parts.base.layout import ShardLayout
 
-__all__ = ["PARTITION_ALIGN", "STEP_CHUNK", "Piece", "GroupLayout", "BucketPiece", "plan_buckets",
-           "source_ranges", "chunk_ranges", "counted_ranges"]
-
 PARTITION_ALIGN = 32
 
 STEP_CHUNK = 1 << 18

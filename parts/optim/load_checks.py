@@ -15,8 +15,6 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["check_names", "check_dtypes", "group_options", "COUNTER_KEYS"]
-
 COUNTER_KEYS = frozenset({"step"})
 """State keys that are step counters: integer or floating dtypes both load."""
 

@@ -22,7 +22,6 @@ from parts.partition.core import disk
 from .masters import Masters
 from .sharded import ShardedParam
 
-__all__ = ["setup", "lazy_grad", "materialize", "set_grad_scale"]
 
 
 def setup(opt: Masters) -> None:

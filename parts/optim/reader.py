@@ -15,8 +15,6 @@ import torch
 from .layout import source_ranges
 from .load_checks import check_dtypes, check_names
 
-__all__ = ["Reader", "FORMAT"]
-
 FORMAT = "parts.optim.BF16Optimizer/1"
 
 

@@ -7,10 +7,8 @@ from typing import Any, Optional
 import torch
 
 from parts.partition.core import disk
-from parts.partition.core.param import ParamMeta, is_partitioned, meta
-from parts.partition.core.points import announce
+from parts.partition.core.param import ParamMeta
 
-__all__ = ["ShardedParam", "is_partitioned", "meta", "announce"]
 
 
 class ShardedParam:

@@ -25,8 +25,6 @@ from .masters import Masters
 from .reader import FORMAT, Reader
 from .sharded import ShardedParam
 
-__all__ = ["rank_state_dict", "consolidated_state_dict", "load", "full_param_tensor",
-           "full_grad_tensor", "flat_state", "set_flat_state"]
 
 def flat_state(inner: torch.optim.Optimizer, fg: FlatGroup) -> dict:
     """The wrapped optimizer's state of ``fg``'s master chunks, merged into partition-sized tensors."""

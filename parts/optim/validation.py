@@ -11,9 +11,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["ParamDtypeError", "LOW_PRECISION", "check_options", "check_param_dtype", "ParamChecker",
-           "check_shard_group"]
-
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 

@@ -10,8 +10,6 @@ import torch
 from parts.comm import (GroupArg, ProcessGroup, ReduceOp, all_gather_list, all_gather_objects,
                         all_reduce, group_info, new_group, require_distributed)
 
-__all__ = ["group_ranks", "exchange_group_ranks", "new_groups", "copy_to_tp", "reduce_from_tp",
-           "all_gather_tp", "all_reduce_sum", "all_reduce_max", "group_size", "group_rank"]
 
 
 def group_size(group: GroupArg) -> int:

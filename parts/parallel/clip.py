@@ -18,8 +18,6 @@ from parts.comm.norm import counts, global_norm, scale_
 
 from .grid import ParallelGrid
 
-__all__ = ["grad_norm_2d", "clip_grad_norm_2d"]
-
 GradFn = Callable[[torch.Tensor], Optional[torch.Tensor]]
 
 

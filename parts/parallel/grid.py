@@ -9,7 +9,6 @@ from parts.comm import ProcessGroup, WeakGroup, global_rank
 from . import _collectives as C
 from .layout import GridLayout
 
-__all__ = ["ParallelGrid"]
 
 
 class ParallelGrid:

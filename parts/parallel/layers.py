@@ -20,9 +20,6 @@ from parts.comm import GroupArg, WeakGroup
 from . import _collectives as C
 from .layout import tp_ranges
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_tensor", "unshard_tensor",
-           "tp_split", "mark_tp_split"]
-
 InitMethod = Callable[[torch.Tensor], Any]
 
 

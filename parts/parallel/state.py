@@ -12,7 +12,6 @@ from parts.comm import GroupArg
 from . import _collectives as C
 from .layers import shard_tensor, tp_split, unshard_tensor
 
-__all__ = ["tp_full_state_dict", "tp_slice_state_dict"]
 
 
 def tp_full_state_dict(module: nn.Module, local: Mapping[str, torch.Tensor],

@@ -34,8 +34,6 @@ from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, in_internal, internal, is_partitioned, meta, metas_sorted
 from parts.partition.core.sharding import reshard
 
-__all__ = ["Interceptor", "frame", "flush", "push_frame", "pop_frame"]
-
 _SHAPE_ATTRS = {"shape", "ndim"}
 _SHAPE_METHODS = {"size", "dim", "numel", "nelement", "ndimension"}
 

@@ -36,10 +36,6 @@ from parts.offload import parking
 from parts.offload.lease import Stored, stored_of_parked
 from parts.offload.store import DiskStore
 
-__all__ = ["store_of", "park_shard", "load_for_send", "after_send", "parked_version", "clear_grad",
-           "grad_buffer", "accumulate_grad", "rewrite", "read_ahead", "park_master", "peek", "overwrite",
-           "has_grad", "read_grad", "drives_parked", "stored"]
-
 READ_AHEAD_FACTOR = 2
 """Disk reads reach this many prefetch windows (``prefetch_bucket_size`` elements) ahead."""
 

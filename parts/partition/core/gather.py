@@ -32,8 +32,6 @@ from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_in
                                    wanted_dtype)
 from parts.partition.core.sharding import reshard
 
-__all__ = ["GatherHandle", "gather", "release", "gathered"]
-
 Pairs = list[tuple[nn.Parameter, ParamMeta]]
 
 

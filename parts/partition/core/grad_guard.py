@@ -27,9 +27,6 @@ from torch import nn
 
 from parts._compat import TENSOR_BASE, default_torch_function
 
-__all__ = ["ATTR", "internal", "in_internal", "ShardedParameter", "GradShard", "as_grad_shard",
-           "local", "raw_grad", "set_raw_grad"]
-
 ATTR = "_parts_meta"
 _raw_grad = TENSOR_BASE.grad
 _raw_data = TENSOR_BASE.data

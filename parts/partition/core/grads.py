@@ -31,8 +31,6 @@ from parts.comm import GroupArg, reduce_scatter_many
 from parts.partition.core import disk
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 
-__all__ = ["use_shards", "ReduceHandle", "reduce_scatter_grads", "shards", "accumulate_into"]
-
 _FULL_PRECISION = (torch.float32,)
 
 

@@ -49,13 +49,10 @@ from parts.comm import GroupArg, GroupInfo
 from parts.partition.core import disk
 from parts.base.layout import ShardLayout
 from parts.partition.core.grad_guard import ATTR as _ATTR
-from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, in_internal, internal
+from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, in_internal
+from parts.partition.core.grad_guard import internal as internal  # the records' guard, used with them
 from parts.partition.core.steps import watch as watch_steps
 
-__all__ = ["ParamStatus", "ParamMeta", "ReleasedParameter", "ReleasedData", "is_partitioned", "meta", "alloc",
-           "unique_params", "internal", "empty_like_released", "shard_version", "is_stale", "stamp",
-           "memory_versions", "watch_shards",
-           "wanted_dtype"]
 
 
 

@@ -15,7 +15,6 @@ from typing import Any, Iterable
 
 from parts.partition.core.param import is_partitioned, meta
 
-__all__ = ["announce", "register", "unregister"]
 
 
 def register(records: Iterable[Any], checker: Any) -> None:

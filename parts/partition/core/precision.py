@@ -26,8 +26,6 @@ from torch import nn
 
 from parts.partition.core.param import is_partitioned, meta
 
-__all__ = ["MixedPrecision", "apply_mixed_precision"]
-
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

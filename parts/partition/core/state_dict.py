@@ -25,8 +25,6 @@ from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, alloc, internal, is_partitioned, meta, metas_sorted, stamp
 from parts.partition.core.sharding import write_shard
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
-
 _BUCKET = 50_000_000
 
 

@@ -22,8 +22,6 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["watch"]
-
 _links = WeakIdKeyDictionary()
 """Shard -> weak reference to its record. Process-wide because the hook below is; it
 configures nothing and forgets shards (keys) and records (values) that are gone."""

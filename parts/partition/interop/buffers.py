@@ -16,7 +16,6 @@ from torch import nn
 
 from parts.comm import broadcast
 
-__all__ = ["broadcast_buffers"]
 
 
 def broadcast_buffers(module: nn.Module, info: Any) -> int:

@@ -21,8 +21,6 @@ from parts.comm.norm import counts, global_norm, scale_
 from parts.partition.core.grad_guard import internal, raw_grad
 from parts.partition.core.param import is_partitioned, meta, unique_params
 
-__all__ = ["grad_norm", "clip_grad_norm_"]
-
 Params = Union[nn.Module, Iterable[torch.Tensor]]
 
 

@@ -21,7 +21,6 @@ from torch import nn
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.interop.overrides import install_method, installed, remove_method
 
-__all__ = ["install_apply", "remove_apply", "is_attached"]
 
 
 def _check_params(module: nn.Module, fn: Callable, recurse: bool) -> None:

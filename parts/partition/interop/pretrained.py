@@ -28,8 +28,6 @@ from parts.partition.core import disk
 from parts.partition.core.param import internal, is_partitioned, meta
 from parts.partition.interop.slices import covering_rows
 
-__all__ = ["num_parameters", "load_pretrained"]
-
 INDEX = "model.safetensors.index.json"
 PathLike = Union[str, os.PathLike, Iterable[Union[str, os.PathLike]]]
 

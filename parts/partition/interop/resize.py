@@ -35,8 +35,6 @@ from parts.partition.core.sharding import ShardSpec
 from parts.partition.interop.convert import is_attached
 from parts.partition.interop.overrides import install_method
 
-__all__ = ["resize_token_embeddings", "install_resize"]
-
 _METHOD = "resize_token_embeddings"
 
 

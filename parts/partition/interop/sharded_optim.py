@@ -27,7 +27,6 @@ from parts.offload.lease import Stored
 from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
 from parts.partition.interop.sharded_state import shard_view
 
-__all__ = ["sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "init_optimizer_state"]
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

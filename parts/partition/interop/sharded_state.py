@@ -26,7 +26,6 @@ from parts.partition.core import disk, points
 from parts.partition.core.gather import gather
 from parts.partition.core.param import ParamMeta, ParamStatus, internal, is_partitioned, meta, metas_sorted
 
-__all__ = ["sharded_state_dict", "load_sharded_state_dict", "shard_view", "real_shard"]
 
 
 def _dcp():

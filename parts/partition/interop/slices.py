@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["covering_rows"]
 
 
 def covering_rows(shape: Sequence[int], start: int, stop: int) -> tuple[int, int, int]:

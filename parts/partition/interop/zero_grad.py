@@ -16,7 +16,6 @@ from parts.partition.core import disk
 from parts.partition.core.param import internal, is_partitioned, meta
 from parts.partition.interop.overrides import install_method, remove_method
 
-__all__ = ["zero_grad_shards", "install_zero_grad", "remove_zero_grad"]
 
 
 def zero_grad_shards(params: Iterable[nn.Parameter], set_to_none: bool = True) -> None:
