@@ -103,7 +103,7 @@ class FetchCoordinator:
     (``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
     """
 
-    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
+    group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
 
     def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
                  max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,
@@ -143,11 +143,7 @@ class FetchCoordinator:
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
                 self._hook(index)
-        for p in self.table.params.values():
-            if p.requires_grad:
-                hook = self._flat_grad if id(p) in self.flat_grads.index else self._post_accumulate
-                self._grad_hooks.append(p.register_post_accumulate_grad_hook(
-                    weak_method(hook)))  # held in C++: no uncollectable cycle
+        self._follow_requires_grad()
         for sub in self.table.modules:
             _attached[sub] = self
         if self.knobs.debug:
@@ -193,6 +189,7 @@ class FetchCoordinator:
     def _setup_lifecycle(self) -> None:
         self._hooks: dict[int, ModuleHooks] = {}
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._hooked: set[int] = set()  # stable ids of the params with a grad hook
         self._stack: list[ModuleCall] = []
         self._bwd_phase: Optional[str] = None
         self._bwd_creates_graph = False
@@ -366,27 +363,36 @@ class FetchCoordinator:
         self._bwd_phase = phase
         self._bwd_creates_graph = torch.is_grad_enabled()
         self.live.backwards += 1
+        self._follow_requires_grad()
         if not self.steps.active(phase):
             self.steps.begin(phase)
         on_backward_end(self._end_backward)
 
-    def _post_accumulate(self, p: nn.Parameter) -> None:
-        """The last grad contribution to ``p`` in this backward arrived: release ``p`` if idle,
-        then hand its grad to the reducer."""
+    def _follow_requires_grad(self) -> None:
+        """Read ``requires_grad`` again (at attach and each backward's start): a grad hook on every
+        parameter that requires grad now (frozen ones have none to fire), the flat reduce-scatter's
+        members (reduce.py). Every rank reads the same flags, so all reduce the same grads."""
+        for pid, p in self.table.params.items():
+            if p.requires_grad and pid not in self._hooked:
+                self._hooked.add(pid)
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(
+                    weak_method(self._grad_done)))  # held in C++: no uncollectable cycle
+        self.reducer.follow()
+
+    def _grad_done(self, p: nn.Parameter) -> None:
+        """The last grad contribution to ``p`` in this backward arrived: a flat persistent
+        parameter's grad waits in ``p.grad`` for the one reduce-scatter of them all at the end of
+        backward (flat.py); any other's is handed to the reducer once ``p`` is released if idle."""
         if self._root is None:
             return
         self._enter_backward(self._bwd_phase or phase_name(True, True))
+        if id(p) in self.flat_grads.index:
+            return
         pid = self.table.pid(p)
         step = self.steps.get(self._bwd_phase)
         self.live.grad_complete(pid, step)
         if raw_grad(p) is not None:
             self.reducer.grad_ready(p, pid, step)
-
-    def _flat_grad(self, p: nn.Parameter) -> None:
-        """A flat persistent parameter's grad is complete: it waits in ``p.grad`` for the one
-        reduce-scatter of them all at the end of backward (flat.py); a backward begins if none has."""
-        if self._root is not None and self._bwd_phase is None:
-            self._enter_backward(phase_name(True, True))
 
     def _end_backward(self) -> None:
         phase, self._bwd_phase = self._bwd_phase, None

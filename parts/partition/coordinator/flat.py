@@ -160,22 +160,39 @@ class FlatGather:
 
 
 class FlatReduce:
-    """The grads of the trainable flat persistent parameters: one reduce-scatter for all."""
+    """The grads of the flat persistent parameters that require grad: one reduce-scatter for all.
+
+    Which ones require grad is read again at every backward's start (``follow``): a parameter
+    frozen or unfrozen between steps leaves or joins the one reduce-scatter. Every rank reads
+    the same flags (``requires_grad`` is set alike on every rank, as for DDP), so every rank
+    packs the same parameters at the same offsets; ``debug`` checks it, naming a parameter.
+    """
 
     def __init__(self, flat: FlatGather, reduce_dtype: torch.dtype) -> None:
-        keep = [] if flat.broken else [k for k, p in enumerate(flat.params) if p.requires_grad]
         self.flat = flat
+        self.reduce_dtype = reduce_dtype
+        self._flags: Optional[tuple] = None
+        self._grads: list[torch.Tensor] = []
+        self.follow()
+
+    def follow(self) -> bool:
+        """Take the flat parameters requiring grad now as the members; True if they changed."""
+        flat = self.flat
+        flags = () if flat.broken else tuple(p.requires_grad for p in flat.params)
+        if flags == self._flags:
+            return False
+        self._flags = flags
+        keep = [k for k, trainable in enumerate(flags) if trainable]
         self.params = [flat.params[k] for k in keep]
         self.records = [flat.records[k] for k in keep]
         self.pids = [flat.pids[k] for k in keep]
         self.index = {id(p): k for k, p in enumerate(self.params)}
-        self.reduce_dtype = reduce_dtype
         self.grad_shards: Optional[torch.Tensor] = None
         self.shard_grads: list[torch.Tensor] = []
         self.sizes = [m.layout.shard_numel for m in self.records]
         self.even = [m.numel == m.world_size * s for m, s in zip(self.records, self.sizes)]  # no padding
-        self.same_dtype = all(m.shard.dtype == reduce_dtype for m in self.records)
-        self._grads: list[torch.Tensor] = []
+        self.same_dtype = all(m.shard.dtype == self.reduce_dtype for m in self.records)
+        return True
 
     def ready(self) -> bool:
         """True if every parameter has a full grad of its shape and the buffer's dtype (else the
@@ -195,7 +212,7 @@ class FlatReduce:
         buffer, into the grad shards; the grads are consumed (``p.grad`` None)."""
         flat, world = self.flat, self.flat.world
         grads, self._grads = self._grads, []
-        send = flat.scratch()
+        send = flat.scratch()[:world * sum(self.sizes)]  # the members only: frozen ones send nothing
         with torch.no_grad():
             rows = [g.detach().reshape(world, s) if even else _padded_rows(g.detach(), world, s)
                     for g, s, even in zip(grads, self.sizes, self.even)]

@@ -31,19 +31,27 @@ __all__ = ["GradReducer"]
 class GradReducer:
     """Buckets of complete full grads and the reduce-scatters in flight of one coordinator."""
 
-    group = WeakGroup()  # not kept alive past destroy_process_group (issue 21 row 3)
+    group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
 
     def __init__(self, table: ParamTable, knobs: Knobs, group: GroupArg, check: StepCheck,
                  counters: StepCounters, reduce_dtype: torch.dtype = torch.float32,
                  flat: Optional[FlatReduce] = None) -> None:
         self.table, self.knobs, self.group, self.check, self.counters = table, knobs, group, check, counters
         self.flat = flat  # the flat persistent params' grads (flat.py), reduced as one at the end
-        flat_ids = set(flat.pids) if flat is not None else set()
-        self._others = [p for pid, p in table.params.items() if pid not in flat_ids]
+        self._others: list[nn.Parameter] = []
+        self.follow(force=True)
         self.reduce_dtype = reduce_dtype  # grads are summed in it (MixedPrecision.reduce_dtype)
         self._pending: list[nn.Parameter] = []  # complete full grads awaiting reduce-scatter
         self._pending_numel = 0
         self._reducing: list[Waitable] = []  # reduce-scatters in flight (overlap_comm)
+
+    def follow(self, force: bool = False) -> None:
+        """At a backward's start: the flat reduce-scatter's members are the flat parameters that
+        require grad now (flat.py); every other parameter's grad goes the per-parameter way."""
+        if self.flat is None or not (self.flat.follow() or force):
+            return
+        flat_ids = set(self.flat.pids)
+        self._others = [p for pid, p in self.table.params.items() if pid not in flat_ids]
 
     def grad_ready(self, p: nn.Parameter, pid: int, step: Optional[StepState]) -> None:
         """``p``'s grad is complete: queue it, reduce the bucket once it is full."""
