@@ -15,7 +15,6 @@ from math import prod
 from typing import Sequence
 
 
-
 @dataclass(frozen=True)
 class Box:
     """A box ``offsets``/``sizes`` of the tensor, stored at flat positions ``[flat_start, flat_start + numel)``."""

@@ -31,7 +31,6 @@ import torch
 from parts._compat import can_swap_storage_data, swap_storage_data
 
 
-
 class StoragePool:
     """Freed storages' memory by byte size, at most ``capacity`` bytes (None: unbounded)."""
 

@@ -15,7 +15,6 @@ import weakref
 from typing import Any, Callable
 
 
-
 def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
     """A function calling bound ``method`` while its object lives (a no-op returning None after)."""
     ref = weakref.WeakMethod(method)

@@ -15,7 +15,6 @@ import torch
 from parts._compat import init_optimizer_hooks
 
 
-
 class OptimizerWrapper(torch.optim.Optimizer):
     """An ``Optimizer`` whose groups, state and defaults are those of ``self.optimizer``."""
 

@@ -7,7 +7,6 @@ import torch
 from parts.comm import GroupArg, all_gather, group_info
 
 
-
 def gather_shares(share: torch.Tensor, padded_numel: int, group: GroupArg) -> torch.Tensor:
     """All-gather every rank's equal-size 1-D ``share`` into a new tensor of ``padded_numel``.
 

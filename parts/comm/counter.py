@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 def wire_bytes(chunk_bytes: int, world_size: int) -> int:
     """Bytes one rank moves in an all-gather or reduce-scatter of ``chunk_bytes`` per rank."""
     return (world_size - 1) * chunk_bytes

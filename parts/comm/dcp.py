@@ -45,7 +45,6 @@ from parts.comm.group import GroupArg, group_info
 from parts.comm.objects import all_gather_objects, broadcast_object
 
 
-
 def is_deferred(piece: Any) -> bool:
     """True for a deferred segment (not a tensor; read when DCP asks: see the module docstring)."""
     return not isinstance(piece, torch.Tensor) and hasattr(piece, "materialize")

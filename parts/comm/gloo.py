@@ -30,7 +30,6 @@ from parts._compat import all_gather_flat, reduce_scatter_flat
 from parts.comm.work import Waitable, WorkList
 
 
-
 def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                       async_op: bool = False) -> Optional[Waitable]:
     """``all_gather_flat`` writing straight into ``output`` (on gloo: one broadcast per rank)."""

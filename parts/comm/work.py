@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 
-
 class Waitable(Protocol):
     """Anything with ``wait()``: a torch ``Work``, a ``WorkList``, a finished ``Work``."""
 

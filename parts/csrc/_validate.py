@@ -7,7 +7,6 @@ from typing import Sequence
 import torch
 
 
-
 def _same_kind(t: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     """Raise ValueError unless `t` has the dtype and device of `ref`."""
     if t.dtype != ref.dtype:

@@ -14,7 +14,6 @@ from ._build import NativeUnavailable, load_native
 from ._validate import check_copy_in, check_copy_out, check_flatten, check_unflatten
 
 
-
 def available() -> bool:
     """True if the native ops are built and loaded (builds them on the first call)."""
     try:

@@ -9,7 +9,6 @@ import torch
 from ._validate import check_copy_in, check_copy_out, check_flatten, check_unflatten
 
 
-
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate `tensors` into one new 1-D tensor."""
     check_flatten(tensors)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from parts.comm import GroupArg, group_info
 
 
-
 def rank(group: GroupArg = None) -> int:
     """This process's rank in ``group`` (default group), 0 when not distributed."""
     return group_info(group, "parts.observe").rank

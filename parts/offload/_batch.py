@@ -10,7 +10,6 @@ from parts.offload.spares import Spares
 from parts.offload.store import IOHandle
 
 
-
 class Batch:
     """The reads (or writes) of one chunk and what to do once they are done (``keep``: tensors
     the writes read from, given back to ``spares`` if any)."""

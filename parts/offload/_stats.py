@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 @dataclass
 class StoreStats:
     """Bytes moved and seconds spent by a store (see the module docstring for busy and active);

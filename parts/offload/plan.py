@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-
 def plan_chunks(costs: Sequence[int], chunk_bytes: int) -> list[tuple[int, ...]]:
     """Consecutive index runs whose ``costs`` sum to at most ``chunk_bytes`` (one item at least each)."""
     if chunk_bytes < 1:

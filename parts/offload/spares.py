@@ -23,7 +23,6 @@ import torch
 from parts.offload._fileio import aligned_empty, worth_aligning
 
 
-
 class Spares:
     """Aligned buffers by byte size, handed out by ``empty`` and taken back by ``give``."""
 

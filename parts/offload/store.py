@@ -48,7 +48,6 @@ from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
 
 
-
 class IOHandle:
     """A pending store operation: ``wait()`` blocks until it is done and raises its error."""
 

@@ -13,7 +13,6 @@ from parts.comm import GroupInfo, ReduceOp, all_gather, all_reduce, group_info, 
 from .layout import BucketPiece
 
 
-
 def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, info: GroupInfo) -> None:
     """This rank's partition of the mean of ``flat`` over ranks lands in ``out`` (sum, then divide)."""
     if info.world_size == 1:

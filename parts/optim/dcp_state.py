@@ -29,7 +29,6 @@ from .masters import Masters
 from .sharded import ShardedParam
 
 
-
 def _fqn_of(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 

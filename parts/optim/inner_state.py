@@ -17,7 +17,6 @@ import torch
 from parts.partition.core import disk
 
 
-
 def is_elementwise(value: Any, master: torch.Tensor) -> bool:
     """True for a state tensor with one element per element of ``master`` (``exp_avg``...)."""
     return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == master.numel()

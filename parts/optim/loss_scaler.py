@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 
-
 class DynamicLossScaler:
     """Scale that backs off after ``hysteresis`` consecutive overflows and grows after ``growth_interval`` clean steps."""
 

@@ -23,7 +23,6 @@ from .masters import Masters
 from .sharded import ShardedParam
 
 
-
 def setup(opt: Masters) -> None:
     """Park the masters of parked shards if the wrapped optimizer can step them, else raise; an
     ``OffloadedOptimizer`` inside takes the masters the wrapper put in its groups."""

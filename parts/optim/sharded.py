@@ -10,7 +10,6 @@ from parts.partition.core import disk
 from parts.partition.core.param import ParamMeta
 
 
-
 class ShardedParam:
     """A sharded parameter: steps an fp32 copy of ``meta.shard`` with ``meta.grad_shard`` as its grad."""
 

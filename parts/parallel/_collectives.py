@@ -11,7 +11,6 @@ from parts.comm import (GroupArg, ProcessGroup, ReduceOp, all_gather_list, all_g
                         all_reduce, group_info, new_group, require_distributed)
 
 
-
 def group_size(group: GroupArg) -> int:
     """Ranks in ``group`` (1 without an initialised process group)."""
     return group_info(group, "parts.parallel").world_size

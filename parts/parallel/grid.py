@@ -10,7 +10,6 @@ from . import _collectives as C
 from .layout import GridLayout
 
 
-
 class ParallelGrid:
     """Split the world (or ``group``) into ``dp`` x ``tp`` ranks; tp ranks are consecutive.
 

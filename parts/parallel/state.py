@@ -13,7 +13,6 @@ from . import _collectives as C
 from .layers import shard_tensor, tp_split, unshard_tensor
 
 
-
 def tp_full_state_dict(module: nn.Module, local: Mapping[str, torch.Tensor],
                        group: GroupArg) -> dict[str, torch.Tensor]:
     """``local`` (this rank's tp pieces, by ``module``'s parameter names) made full over ``group``.

@@ -16,7 +16,6 @@ from typing import Any, Iterable
 from parts.partition.core.param import is_partitioned, meta
 
 
-
 def register(records: Iterable[Any], checker: Any) -> None:
     """Let ``checker`` (a ``weakref.WeakMethod`` taking the announced name) check these params."""
     for m in records:

@@ -17,7 +17,6 @@ from torch import nn
 from parts.comm import broadcast
 
 
-
 def broadcast_buffers(module: nn.Module, info: Any) -> int:
     """Copy rank 0's buffers of ``module`` to every rank of ``info``; returns how many."""
     if info is None or info.world_size == 1:

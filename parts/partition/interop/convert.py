@@ -22,7 +22,6 @@ from parts.partition.core.param import is_partitioned, meta
 from parts.partition.interop.overrides import install_method, installed, remove_method
 
 
-
 def _check_params(module: nn.Module, fn: Callable, recurse: bool) -> None:
     """Raise if ``fn`` would change the dtype or device of a sharded parameter of ``module``."""
     for p in module.parameters(recurse=recurse):

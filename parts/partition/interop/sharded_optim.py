@@ -28,7 +28,6 @@ from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
 from parts.partition.interop.sharded_state import shard_view
 
 
-
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 

@@ -27,7 +27,6 @@ from parts.partition.core.gather import gather
 from parts.partition.core.param import ParamMeta, ParamStatus, internal, is_partitioned, meta, metas_sorted
 
 
-
 def _dcp():
     """``parts.comm.dcp``, imported on first use (torch.distributed.checkpoint takes seconds to import)."""
     from parts.comm import dcp

@@ -11,7 +11,6 @@ import math
 from typing import Sequence
 
 
-
 def covering_rows(shape: Sequence[int], start: int, stop: int) -> tuple[int, int, int]:
     """``(first_row, stop_row, offset)``: rows ``[first_row, stop_row)`` of a tensor of ``shape``
     hold its flat elements ``[start, stop)``, from ``offset`` in their flattened read.

@@ -17,7 +17,6 @@ from parts.partition.core.param import internal, is_partitioned, meta
 from parts.partition.interop.overrides import install_method, remove_method
 
 
-
 def zero_grad_shards(params: Iterable[nn.Parameter], set_to_none: bool = True) -> None:
     """Clear (or zero in place) the grad shards of the sharded ones among ``params``."""
     for p in params:
