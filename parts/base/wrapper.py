@@ -44,3 +44,27 @@ class OptimizerWrapper(torch.optim.Optimizer):
         """Not supported: the wrapper lays out every group once, at construction."""
         raise NotImplementedError(f"{type(self).__name__} cannot add param groups after construction; "
                                   "build the wrapped optimizer with all groups, then wrap it")
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer with no state its state: one step at lr 0 on zero grads.
+
+    The weights do not move (a decoupled weight decay is scaled by lr too) and the grads and
+    learning rates are put back, so a checkpoint can be taken before the first step.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(optimizer.state.get(p) for p in params):
+        return
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from parts.base.wrapper import init_state
 from parts.comm.dcp import ShardView, is_deferred, same_piece, settle
 from parts.partition.core import disk
 
@@ -60,27 +61,6 @@ def _master(s: ShardedParam) -> Any:
     return s.master if stored is None else stored
 
 
-def _ensure_state(opt: Masters) -> None:
-    """Give the wrapped optimizer its state if it has none: one step with lr 0 on zero grads."""
-    inner = opt.optimizer
-    targets = [p for g in inner.param_groups for p in g["params"]]
-    if any(inner.state.get(p) for p in targets):
-        return
-    saved = [(p, p.grad) for p in targets]
-    lrs = [g["lr"] for g in inner.param_groups]
-    try:
-        for p in targets:
-            p.grad = torch.zeros_like(p)
-        for g in inner.param_groups:
-            g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-        inner.step()
-    finally:
-        for g, lr in zip(inner.param_groups, lrs):
-            g["lr"] = lr
-        for p, grad in saved:
-            p.grad = grad
-
-
 def _entries(opt: Masters, fqn: dict[int, str]) -> list[tuple[str, torch.Size, list, list, dict, int]]:
     """Per parameter: (FQN, shape, master segments, per-key state tensors list, scalars, group)."""
     inner, out = opt.optimizer, []
@@ -115,7 +95,7 @@ def _view(shape: torch.Size, segments: list, name: str) -> ShardView:
 def sharded_state_dict(opt: Masters, model: nn.Module) -> dict[str, Any]:
     """``opt``'s state as DCP views keyed by the model's FQNs (see the module docstring)."""
     opt.sync_masters()
-    _ensure_state(opt)
+    init_state(opt.optimizer)  # a checkpoint before the first step holds the state it will have
     return _views(opt, model)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from parts.base.wrapper import init_state
 from parts.offload.lease import Stored
 from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
 from parts.partition.interop.sharded_state import shard_view
@@ -64,17 +65,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     if any(p.grad is not None for p in params):
         raise RuntimeError("sharded_optimizer_state_dict: the optimizer has no state yet but its tensors have "
                            "grads; call it before backward (or after zero_grad) so its state can be made")
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in optimizer.param_groups:
-        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
     try:
-        optimizer.step()
+        init_state(optimizer)
     finally:
-        for g, lr in zip(optimizer.param_groups, lrs):
-            g["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # what a wrapping optimizer keeps beside .grad too
 
 
 def _state_value(value: Any, record: ParamMeta | None, name: str) -> Any:
