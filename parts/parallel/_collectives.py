@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
-from parts.comm import (GroupArg, ProcessGroup, ReduceOp, all_gather_list, all_gather_objects,
+from parts.comm import (GroupArg, ProcessGroup, all_gather_list, all_gather_objects,
                         all_reduce, group_info, new_group, require_distributed)
 
 
@@ -83,13 +83,3 @@ def all_gather_tp(x: torch.Tensor, group: GroupArg) -> list[torch.Tensor]:
     if info.world_size == 1:
         return [x.detach().clone()]
     return all_gather_list(x.detach().contiguous(), info)
-
-
-def all_reduce_sum(x: torch.Tensor, group: GroupArg) -> torch.Tensor:
-    """Sum of ``x`` over ``group`` (in place; returned)."""
-    return all_reduce(x, group_info(group, "parts.parallel"))
-
-
-def all_reduce_max(x: torch.Tensor, group: GroupArg) -> torch.Tensor:
-    """Maximum of ``x`` over ``group`` (in place; returned)."""
-    return all_reduce(x, group_info(group, "parts.parallel"), ReduceOp.MAX)
