@@ -31,6 +31,7 @@ from parts.base.layout import ShardLayout
 from parts.base.storage_pool import StoragePool
 from parts.comm.counter import CommCounter, comm_counter
 from parts.partition.construction.construct import partition_module, partitioned
+from parts.partition.construction.materialize import materialize
 from parts.partition.core.gather import GatherHandle, gather, gathered, release
 from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shards, use_shards
 from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, meta
@@ -47,7 +48,7 @@ from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, Ran
 
 __all__ = [
     "ShardLayout",
-    "partitioned", "partition_module",
+    "partitioned", "partition_module", "materialize",
     "ParamMeta", "ParamStatus", "is_partitioned", "meta",
     "GatherHandle", "gather", "release", "gathered", "StoragePool",
     "ReduceHandle", "reduce_scatter_grads", "shards", "use_shards",

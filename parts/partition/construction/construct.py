@@ -136,7 +136,7 @@ def restore_forward_check(mod: nn.Module) -> None:
 def _adopt(module: nn.Module, spec: ShardSpec) -> None:
     """Shard ``module``'s unsharded params, sync its buffers, name records, add check hooks."""
     todo = [(q, p) for q, _, mod, p in _owned(module)
-            if not is_partitioned(p) and not mod.__dict__.get(_DISABLED) and not p.is_meta]
+            if not is_partitioned(p) and not mod.__dict__.get(_DISABLED) and (spec.on_meta or not p.is_meta)]
     shard_params(todo, spec)
     _name_records(module)
     _sync_buffers(module, spec.info)
@@ -250,7 +250,7 @@ def _register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter
     _ORIG_REGISTER(self, name, param)
     spec = self.__dict__.get(_SPEC)
     if param is None or spec is None or id(self) in _state.building or is_partitioned(param) \
-            or param.is_meta:  # a placeholder (from_pretrained builds on meta): its values come later
+            or (param.is_meta and not spec.on_meta):  # a placeholder (from_pretrained): values come later
         return
     with internal:
         prefix = self.__dict__.get(_NAME, "")
@@ -309,6 +309,7 @@ class partitioned:
         self.enabled = enabled
         self._args = (group, dtype, device, remote_device, pin_memory)
         self._pushed = False
+        self._meta_device: Optional[torch.device] = None  # entered while building on meta
 
     def __enter__(self) -> "partitioned":
         group, dtype, device, remote_device, pin_memory = self._args
@@ -320,12 +321,18 @@ class partitioned:
             _install()
         _state.configs.append(spec)
         self._pushed = True
+        if spec is not None and spec.on_meta:  # build without data: parameters are created on meta
+            self._meta_device = torch.device("meta")
+            self._meta_device.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if not self._pushed:
             return
         self._pushed = False
+        if self._meta_device is not None:
+            self._meta_device.__exit__(exc_type, *exc)
+            self._meta_device = None
         _state.configs.pop()
         if not _state.configs:
             _uninstall(exc_type is None)

@@ -46,6 +46,11 @@ class ShardSpec:
             raise TypeError(f"parts.partition: dtype must be a floating-point torch.dtype or None, "
                             f"got {self.dtype!r}")
 
+    @property
+    def on_meta(self) -> bool:
+        """True for a build without data (``partitioned(device="meta")``): shapes, layouts and ids only."""
+        return self.device is not None and torch.device(self.device).type == "meta"
+
     def shard_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype ``p`` is stored in: ``dtype`` for floating point params, else unchanged."""
         return self.dtype if self.dtype is not None and p.is_floating_point() else p.dtype
@@ -129,7 +134,7 @@ def shard_params(named: list[tuple[str, nn.Parameter]], spec: ShardSpec) -> list
 
 def _shared_values(params: list[nn.Parameter], spec: ShardSpec, first_id: int) -> tuple[list[torch.Tensor], int]:
     """Rank 0's flat values of ``params`` (which are freed) and rank 0's next id."""
-    if spec.info.world_size == 1:
+    if spec.info.world_size == 1 or spec.on_meta:  # meta: no values to share; ids agree by construction
         flats = [p.detach().reshape(-1) for p in params]
         for p in params:
             p.data = empty_like_released(p.dtype, p.device)
