@@ -1,0 +1,13 @@
+"""parts inside the training loops of other libraries: Hugging Face ``transformers`` and ``accelerate``.
+
+- ``parts.integrations.transformers``: ``Trainer`` / ``Seq2SeqTrainer``, drop-in subclasses of
+  transformers' own for a model built under ``parts.partition.partitioned()`` (or sharded with
+  ``partition_module``): optimizer over the shards, global grad norm, no DDP wrap, sharded DCP
+  checkpoints that resume at any world size, ``save_model`` writing full safetensors.
+- ``parts.integrations.accelerate``: ``prepare(accelerator, model, optimizer, ...)`` and an
+  ``Accelerator`` subclass: a parts model is attached with the accelerator's mixed precision
+  (``"bf16"`` -> ``parts.partition.MixedPrecision``) and never wrapped in DDP.
+
+Each submodule imports its library on import (``pip install "parts[hf]"``); this package
+imports neither. Integrations import the parts; no part imports them.
+"""

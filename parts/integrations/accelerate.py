@@ -1,0 +1,155 @@
+"""``accelerate`` with a parts model: ``prepare(accelerator, model, optimizer, *dataloaders)``.
+
+accelerate's own ``prepare`` would wrap a parts model in ``DistributedDataParallel`` (which
+broadcasts and all-reduces parameters that parts keeps sharded) and, with
+``mixed_precision="bf16"``, wrap its forward in autocast while the fp32 parameters stay fp32.
+For a parts model both are parts' jobs, so here:
+
+- the model is attached (``parts.partition.attach``) unless it already is, with the
+  accelerator's mixed precision: ``"no"`` -> none, ``"bf16"`` ->
+  ``MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (fp32 shards are
+  the masters, bf16 on the wire and in compute, as accelerate does with FSDP2's
+  ``MixedPrecisionPolicy``); ``"fp16"`` and ``"fp8"`` raise. A model attached by the user
+  without bf16 under a ``"bf16"`` accelerator raises: it would train in fp32 silently.
+- the model is registered with the accelerator but neither DDP-wrapped nor autocast;
+- an optimizer built over ``model.parameters()`` steps the shards instead (``use_shards``);
+- ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` clips by the global norm over
+  every rank's grad shards (``parts.partition.clip_grad_norm_``).
+
+All of it lives in ``PartsAcceleratorMixin``, which overrides accelerate's public
+``prepare_model``, ``prepare_optimizer`` and ``clip_grad_norm_``. Use ``Accelerator`` (a
+drop-in ``accelerate.Accelerator``), or keep your own accelerator and call
+``prepare(accelerator, ...)``, which gives it the mixin (``adopt``) the way
+``torch.nn.utils.parametrize`` gives a module its parametrized class. Everything else
+(dataloaders, schedulers, ``backward``, ``accumulate``, ``gather_for_metrics``) is accelerate's.
+
+    accelerator = Accelerator(mixed_precision="bf16")
+    with partitioned():
+        model = AutoModelForCausalLM.from_config(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Optional
+
+import accelerate
+import torch
+from accelerate.utils import DistributedType
+from torch import nn
+
+from parts.partition import MixedPrecision, attach, clip_grad_norm_, is_partitioned, use_shards
+from parts.partition.coordinator import FetchCoordinator, attached_to
+
+__all__ = ["Accelerator", "PartsAcceleratorMixin", "adopt", "prepare", "attach_for", "attach_with",
+           "mixed_precision_of", "mixed_precision_policy", "is_parts_model"]
+
+_SHARDING_TYPES = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+def is_parts_model(model: Any) -> bool:
+    """True for a module with parameters sharded by ``parts.partition``."""
+    return isinstance(model, nn.Module) and any(is_partitioned(p) for p in model.parameters())
+
+
+def mixed_precision_policy(mode: Any) -> Optional[MixedPrecision]:
+    """The ``MixedPrecision`` policy that stands for accelerate's ``mixed_precision`` mode (None for "no")."""
+    mode = getattr(mode, "value", mode)
+    if mode in (None, "no"):
+        return None
+    if mode == "bf16":
+        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"parts: mixed_precision={mode!r} has no parts counterpart for a sharded model; use "
+                     f"mixed_precision='bf16' (parts.partition.MixedPrecision) or 'no' (fp16 loss scaling "
+                     f"is parts.optim.BF16Optimizer with a DynamicLossScaler)")
+
+
+def mixed_precision_of(accelerator: accelerate.Accelerator) -> Optional[MixedPrecision]:
+    """The ``MixedPrecision`` policy that stands for ``accelerator.mixed_precision``."""
+    return mixed_precision_policy(accelerator.mixed_precision)
+
+
+def attach_with(model: nn.Module, mode: Any) -> FetchCoordinator:
+    """Attach ``model`` with the policy of the mixed-precision ``mode``, or check the coordinator it has."""
+    policy = mixed_precision_policy(mode)
+    coordinator = attached_to(model)
+    if coordinator is None:
+        return attach(model, mixed_precision=policy)
+    have = coordinator.mixed_precision
+    if policy is not None and (have is None or have.param_dtype != policy.param_dtype):
+        raise ValueError(f"parts: mixed_precision='bf16' is asked for but {type(model).__name__} is attached "
+                         f"with mixed_precision={have!r}, so it would compute in "
+                         f"{'fp32' if have is None else have.param_dtype}; attach it with "
+                         f"mixed_precision=parts.partition.MixedPrecision() or leave attaching to parts")
+    return coordinator
+
+
+def attach_for(accelerator: accelerate.Accelerator, model: nn.Module) -> FetchCoordinator:
+    """Attach ``model`` with the accelerator's mixed precision, or check the coordinator it has."""
+    return attach_with(model, accelerator.mixed_precision)
+
+
+def _holds_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    return any(is_partitioned(p) for group in optimizer.param_groups for p in group["params"])
+
+
+class PartsAcceleratorMixin:
+    """accelerate's public ``prepare_model`` / ``prepare_optimizer`` / ``clip_grad_norm_`` for parts models."""
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """A parts model: attached with this accelerator's mixed precision, registered, never DDP-wrapped."""
+        if not is_parts_model(model):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if self.distributed_type in _SHARDING_TYPES:
+            raise ValueError(f"parts: {type(model).__name__} is already sharded by parts; launch without "
+                             f"accelerate's {self.distributed_type} plugin (plain multi-process)")
+        attach_for(self, model)
+        # accelerate's evaluation mode registers the model and skips the DDP wrap; native_amp off
+        # because the coordinator's MixedPrecision, not autocast, sets the compute dtype
+        amp, self.native_amp = self.native_amp, False
+        try:
+            return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        finally:
+            self.native_amp = amp
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        """An optimizer over ``model.parameters()`` of a parts model steps its shards instead."""
+        if _holds_sharded(optimizer):
+            use_shards(optimizer)
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor:
+        """Clip parts parameters by the global norm over every rank's grad shards; return it."""
+        params = list(parameters)
+        if any(is_partitioned(p) for p in params):
+            return clip_grad_norm_(params, max_norm, norm_type)
+        return super().clip_grad_norm_(params, max_norm, norm_type)
+
+
+class Accelerator(PartsAcceleratorMixin, accelerate.Accelerator):
+    """``accelerate.Accelerator`` whose ``prepare`` leaves sharding and mixed precision of parts models to parts."""
+
+
+@functools.lru_cache(maxsize=None)
+def _with_mixin(cls: type) -> type:
+    """``cls`` with ``PartsAcceleratorMixin`` first in its MRO (one class per accelerator class)."""
+    return type(cls.__name__, (PartsAcceleratorMixin, cls), {"__doc__": cls.__doc__,
+                                                              "__module__": cls.__module__})
+
+
+def adopt(accelerator: accelerate.Accelerator) -> accelerate.Accelerator:
+    """Give an existing accelerator the parts overrides (its class gains ``PartsAcceleratorMixin``)."""
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise TypeError(f"adopt: expected an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if not isinstance(accelerator, PartsAcceleratorMixin):
+        accelerator.__class__ = _with_mixin(type(accelerator))
+    return accelerator
+
+
+def prepare(accelerator: accelerate.Accelerator, *objects: Any) -> Any:
+    """``accelerator.prepare(*objects)`` with parts models attached, not DDP-wrapped, optimizers on shards."""
+    return adopt(accelerator).prepare(*objects)

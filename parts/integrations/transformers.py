@@ -1,0 +1,174 @@
+"""``transformers.Trainer`` for a parts model: import ``Trainer`` from here instead of transformers.
+
+    from parts.integrations.transformers import Trainer
+    with partitioned():
+        model = AutoModelForCausalLM.from_config(config)
+    Trainer(model=model, args=TrainingArguments(output_dir=...), train_dataset=data).train()
+
+With any ``TrainingArguments`` that parts can honour (the default ``save_strategy="steps"``
+included), it differs from transformers' ``Trainer`` only where a sharded model must:
+
+- the model is attached (``parts.partition.attach``) unless it already is, with
+  ``bf16=True`` as ``parts.partition.MixedPrecision`` (``fp16`` raises); its accelerator
+  gets ``parts.integrations.accelerate.PartsAcceleratorMixin``, so it is never wrapped in DDP;
+- the optimizer Trainer builds (its ``optim``, learning rate, weight-decay groups, scheduler)
+  steps ``shards(model)``; gradient clipping and the logged ``grad_norm`` are the global norm
+  over every rank's grad shards (``parts.partition.clip_grad_norm_`` / ``grad_norm``);
+- a checkpoint (``checkpoint-N/``, every ``save_steps``) holds the weights and every rank's
+  optimizer shard as DCP checkpoints (``parts_model/``, ``parts_optimizer/``: FQN keys, global
+  shapes, loadable at any world size and by FSDP2), beside Trainer's own scheduler, RNG and
+  trainer state and ``config.json``; ``resume_from_checkpoint`` loads them at any world size.
+  No rank gathers the full model for a checkpoint (as with DeepSpeed ZeRO-3 checkpoints);
+- ``save_model`` gathers the current full weights to rank 0 (``full_state_dict``) and writes
+  them with ``save_pretrained`` (``model.safetensors``), readable by ``from_pretrained``.
+
+``Seq2SeqTrainer`` is the same over ``transformers.Seq2SeqTrainer`` (``predict_with_generate``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+import transformers
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+
+from parts.integrations.accelerate import adopt, attach_for, attach_with, is_parts_model
+from parts.partition import grad_norm as global_grad_norm
+from parts.partition import (clip_grad_norm_, full_state_dict, is_partitioned, load_sharded_optimizer_state_dict,
+                             load_sharded_state_dict, sharded_optimizer_state_dict, sharded_state_dict,
+                             use_shards)
+
+__all__ = ["Trainer", "Seq2SeqTrainer", "PartsTrainerMixin", "MODEL_DIR", "OPTIMIZER_DIR",
+           "save_sharded_model", "load_sharded_model"]
+
+MODEL_DIR = "parts_model"  # a checkpoint's DCP directory of the model's weights
+OPTIMIZER_DIR = "parts_optimizer"  # ... and of the optimizer's state, every rank's shard
+
+
+def _dcp() -> Any:
+    """``parts.comm.dcp``, imported on first use (torch.distributed.checkpoint takes seconds)."""
+    from parts.comm import dcp
+    return dcp
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The optimizer under accelerate's wrapper (what ``sharded_optimizer_state_dict`` reads)."""
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def save_sharded_model(model: nn.Module, path: str) -> None:
+    """Every rank writes its shards of ``model`` into the DCP directory ``path`` (a collective)."""
+    _dcp().save(sharded_state_dict(model), checkpoint_id=path)
+
+
+def load_sharded_model(model: nn.Module, path: str) -> None:
+    """Load the DCP directory ``path`` (written at any world size) into ``model``'s shards."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"parts Trainer: no model checkpoint at {path} (a DCP directory written by "
+                                f"parts.integrations.transformers.Trainer)")
+    state = sharded_state_dict(model)
+    _dcp().load(state, checkpoint_id=path)
+    load_sharded_state_dict(model, state)
+
+
+class PartsTrainerMixin:
+    """What a ``transformers.Trainer`` needs to train a parts model; see the module docstring."""
+
+    def __init__(self, model: Optional[nn.Module] = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        if not is_parts_model(model):
+            raise TypeError(f"parts Trainer: model= takes a module with sharded parameters (built under "
+                            f"parts.partition.partitioned() or sharded by partition_module), got "
+                            f"{type(model).__name__}; for a plain model use transformers.Trainer")
+        self._parts_checkpointing = False
+        # attached before Trainer moves the model to its device: the coordinator owns placement
+        attach_with(model, args.mixed_precision if args is not None else None)
+        super().__init__(model, args, *rest, **kwargs)
+        attach_for(self.accelerator, self.model)  # the accelerator agrees (ACCELERATE_MIXED_PRECISION)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator, with parts' ``prepare_model`` (no DDP wrap) and ``clip_grad_norm_``."""
+        super().create_accelerator_and_postprocess()
+        adopt(self.accelerator)
+
+    def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer (its ``optim``, groups and settings), stepping the shards."""
+        optimizer = super().create_optimizer(model)
+        inner = _torch_optimizer(optimizer)
+        if any(is_partitioned(p) for group in inner.param_groups for p in group["params"]):
+            use_shards(inner)  # a user's optimizer over the shards is kept as it is
+        return optimizer
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        return clip_grad_norm_(self.model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float:
+        return float(grad_norm if grad_norm is not None else global_grad_norm(self.model))
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        self._parts_checkpointing = True  # save_model writes the sharded weights, not full ones
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._parts_checkpointing = False
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """The current full weights (gathered to rank 0) as ``save_pretrained`` writes them."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self._parts_checkpointing:
+            self._save_sharded_weights(output_dir)
+            return
+        state = full_state_dict(self.model)  # a collective: every rank, before rank 0 writes
+        self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_sharded_weights(self, output_dir: str) -> None:
+        save_sharded_model(self.model, os.path.join(output_dir, MODEL_DIR))
+        config = getattr(self.model, "config", None)
+        if self.args.should_save and hasattr(config, "save_pretrained"):
+            config.save_pretrained(output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        optimizer = _torch_optimizer(self.optimizer)
+        state = sharded_optimizer_state_dict(self.model, optimizer)
+        _dcp().save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
+        load_sharded_model(model if model is not None else self.model,
+                           os.path.join(resume_from_checkpoint, MODEL_DIR))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, OPTIMIZER_DIR)
+        if os.path.isdir(path):  # save_only_model checkpoints hold none
+            optimizer = _torch_optimizer(self.optimizer)
+            state = sharded_optimizer_state_dict(self.model, optimizer)
+            _dcp().load(state, checkpoint_id=path)
+            load_sharded_optimizer_state_dict(self.model, optimizer, state)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            reissue_pt_warnings(caught)
+
+    def _load_best_model(self) -> None:
+        load_sharded_model(self.model, os.path.join(self.state.best_model_checkpoint, MODEL_DIR))
+
+
+class Trainer(PartsTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` for a model sharded by ``parts.partition`` (drop-in)."""
+
+
+class Seq2SeqTrainer(PartsTrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` (``predict_with_generate``) for a model sharded by ``parts.partition``."""
