@@ -30,6 +30,8 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
+from parts.base.files import CheckpointError, fsync_directory, sha256_of, umask
+
 __all__ = ["CheckpointError", "save", "load", "read_manifest", "check_loadable"]
 
 FORMAT = "parts-checkpoint/1"  # the manifest's format field (unchanged by the file layout)
@@ -37,13 +39,8 @@ _MAGIC_V1 = b"PARTSCK1"  # header, manifest, payload (read only)
 _MAGIC = b"PARTSCK2"  # header, payload, manifest: written by save
 _HEADER_V1 = len(_MAGIC_V1) + 8 + 8  # magic, manifest length, payload length
 _HEADER_BYTES = len(_MAGIC) + 8 + 8 + 32  # magic, payload length, manifest length, manifest SHA-256
-_CHUNK = 8 << 20  # bytes hashed per read on load
 
 PathLike = Union[str, os.PathLike]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint file is missing, truncated, corrupted or not a ``parts`` checkpoint."""
 
 
 def _tensor_entries(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -138,7 +135,7 @@ def save(obj: Any, path: PathLike, *, world_size: Optional[int] = None,
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.",
                                     suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # what open() (and torch.save) gives; mkstemp gives 0600
+        os.fchmod(fd, 0o666 & ~umask())  # what open() (and torch.save) gives; mkstemp gives 0600
         with os.fdopen(fd, "wb") as handle:
             manifest = _write_sections(handle, obj, world_size, step)
             os.fsync(handle.fileno())
@@ -146,7 +143,7 @@ def save(obj: Any, path: PathLike, *, world_size: Optional[int] = None,
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    fsync_directory(path.parent)
     return manifest
 
 
@@ -163,12 +160,6 @@ def _write_sections(handle: Any, obj: Any, world_size: Optional[int], step: Opti
                  + hashlib.sha256(manifest_blob).digest())
     handle.flush()
     return manifest
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _remove_stale_temporaries(path: Path) -> None:
@@ -188,18 +179,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -249,17 +228,8 @@ def _read_manifest(path: Path, handle: Any, sections: _Sections) -> dict:
 
 
 def _payload_sha256(handle: Any, sections: _Sections) -> str:
-    """SHA-256 of the payload, read in ``_CHUNK`` pieces into one reused buffer."""
-    digest, buffer = hashlib.sha256(), bytearray(min(_CHUNK, max(1, sections.payload_bytes)))
-    view, left = memoryview(buffer), sections.payload_bytes
-    handle.seek(sections.payload_offset)
-    while left:
-        got = handle.readinto(view[:min(left, len(buffer))])
-        if not got:
-            break
-        digest.update(view[:got])
-        left -= got
-    return digest.hexdigest()
+    """SHA-256 of the payload, read from the file in 8 MiB pieces."""
+    return sha256_of(handle, sections.payload_offset, sections.payload_bytes)
 
 
 class _Window(io.RawIOBase):

@@ -31,7 +31,6 @@ import argparse
 import gc
 import math
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -156,23 +155,14 @@ def checkpoint_state(model, optimizer, schedule, step: int) -> dict:
 
 
 def save(path: str, model, optimizer, schedule, step: int) -> None:
-    """Every rank writes its shards into ``path`` (a DCP directory), replacing it only once complete."""
-    saving, old = f"{path}.saving", f"{path}.old"
-    if dist.get_rank() == 0:
-        shutil.rmtree(saving, ignore_errors=True)
-    dist.barrier()
-    dcp.save(checkpoint_state(model, optimizer, schedule, step), checkpoint_id=saving)  # ends agreed
-    if dist.get_rank() == 0:
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(path):
-            os.rename(path, old)
-        os.rename(saving, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    """Every rank writes its shards; ``path`` (a DCP directory) is replaced only once the new
+    checkpoint is complete and verified, and a failed save (a full disk) raises on every rank."""
+    dcp.save(checkpoint_state(model, optimizer, schedule, step), checkpoint_id=path)
 
 
 def resume(path: str, model, optimizer, schedule) -> int:
-    """Load a checkpoint written at any world size; return the step it was taken at."""
+    """Load a checkpoint written at any world size; return the step it was taken at. A missing,
+    damaged or mismatched checkpoint raises ``CheckpointError`` on every rank, naming it."""
     state = checkpoint_state(model, optimizer, schedule, 0)
     dcp.load(state, checkpoint_id=path)
     load_sharded_state_dict(model, state["model"])

@@ -1,267 +1,131 @@
-"""``torch.distributed.checkpoint`` (DCP) for parts: shard views it can save and load, and
-``save``/``load`` that coordinate ranks without numpy. The one module that imports DCP.
-
-``ShardView(shape, segments)`` is a tensor of the *global* ``shape`` with no storage: it
-points at the pieces of it this rank holds, ``segments`` of ``(flat_start, 1-D tensor)``
-(a flat shard of a parameter is one segment). DCP sees each segment as at most
-``2 * ndim - 1`` row-aligned boxes (``parts.base.boxes``), each a view of the segment:
-saving writes the views, loading copies straight into them, nothing is copied on the way
-and no rank ever holds another rank's piece. Any DCP planner and storage writer/reader
-works on it (it speaks DCP's checkpointable protocol, as DTensor does); any other op on it
-raises, naming it.
-
-A segment may also be *deferred*: an object that is not a tensor and has ``numel()``,
-``dtype``, ``device``, ``materialize()`` (a 1-D tensor of its elements, read now; writes
-into it are kept) and ``settle()`` (give back what ``materialize`` lent, writing back what
-was written): ``parts.offload.lease.Stored``, a tensor in a ``DiskStore``. Its boxes are
-materialized only when DCP asks for them (``__get_tensor_shard__``: the writer saving one
-item, the reader loading one), so a save or load holds one stored tensor at a time.
-``settle(state)`` settles every deferred segment of a state dict; ``save``/``load`` do so
-when they finish.
+"""``torch.distributed.checkpoint`` (DCP) for parts: ``save`` and ``load`` that coordinate
+ranks without numpy, agree on every failure, and treat a checkpoint as a transaction. The
+one module (with ``shard_view`` and ``dcp_files``) that imports DCP.
 
 ``save``/``load`` run DCP's own steps (planner, storage writer/reader, metadata: the files
 are exactly what ``dcp.save`` writes and ``dcp.load`` reads, and the other way round), but
 exchange the plans through ``parts.comm.objects`` instead of torch's object collectives,
-which need numpy (absent in a fresh environment). Errors on any rank raise on every rank,
-naming the ranks. ``dcp.save``/``dcp.load`` themselves work on the same state dicts where
-numpy is installed.
+which need numpy (absent in a fresh environment). Each step is agreed
+(``parts.comm.agree``): if it failed on any rank, every rank raises ``CheckpointError``
+naming the checkpoint, the failing ranks and their errors, and no rank goes on.
+
+Into a directory (``checkpoint_id``, or a ``FileSystemWriter``'s path) a save is a
+transaction (``parts.comm.dcp_files``): written into ``<path>.saving``, every file fsynced
+and listed with its size and SHA-256 in ``parts_manifest.json``, checked, then renamed into
+place; the previous checkpoint at ``path`` is removed only then, so a failed save (a full
+disk) leaves it intact. A load checks each file it reads against the manifest, reads
+``.metadata`` without running code from it, and (``strict``, the default) refuses a state
+dict whose keys differ from the checkpoint's, naming the missing and unexpected keys.
+
+``ShardView`` (``parts.comm.shard_view``): the storage-less view of this rank's pieces of a
+global tensor that DCP saves from and loads into; ``settle`` gives deferred (stored)
+segments back to their store, as ``save``/``load`` do when they finish.
 """
 
 from __future__ import annotations
 
 import inspect
-import traceback
-from typing import Any, Callable, Optional, Sequence
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.stateful import Stateful
 
-from parts._compat import default_torch_function, storage_less_tensor
-from parts.base.boxes import flat_boxes
+from parts.base.files import CheckpointError
+from parts.comm import dcp_files as files
+from parts.comm.agree import all_gather_agreed, broadcast_agreed
+from parts.comm.failure import Failure, describe
 from parts.comm.group import GroupArg, group_info
-from parts.comm.objects import all_gather_objects, broadcast_object
+from parts.comm.shard_view import ShardView, has_deferred, is_deferred, same_piece, settle
 
-
-def is_deferred(piece: Any) -> bool:
-    """True for a deferred segment (not a tensor; read when DCP asks: see the module docstring)."""
-    return not isinstance(piece, torch.Tensor) and hasattr(piece, "materialize")
-
-
-def same_piece(a: Any, b: Any) -> bool:
-    """True if segments ``a`` and ``b`` are the same elements (same memory, or same stored range)."""
-    if is_deferred(a) or is_deferred(b):
-        return is_deferred(a) and is_deferred(b) and a.same_as(b)
-    return a.numel() == b.numel() and (a.numel() == 0 or a.data_ptr() == b.data_ptr())
-
-
-class _Deferred:
-    """A box of a deferred segment: ``resolve()`` materializes the segment and views the box."""
-
-    def __init__(self, piece: Any, lo: int, sizes: tuple) -> None:
-        self.piece, self.lo, self.shape = piece, lo, torch.Size(sizes)
-
-    def resolve(self) -> torch.Tensor:
-        return self.piece.materialize().narrow(0, self.lo, self.shape.numel()).view(self.shape)
-
-
-def _resolve(box: Any) -> torch.Tensor:
-    return box.resolve() if isinstance(box, _Deferred) else box
-
-
-def _properties(box: Any, dtype: torch.dtype) -> TensorProperties:
-    if isinstance(box, _Deferred):
-        return TensorProperties(dtype=dtype)
-    return TensorProperties.create_from_tensor(box)
-
-
-class ShardView(torch.Tensor):
-    """A storage-less tensor of global ``shape`` whose pieces on this rank are ``segments`` (for DCP)."""
-
-    _boxes: dict
-    _segments: tuple
-    _label: str
-    holder: Optional[torch.Tensor]  # the tensor the segments are views of, if the maker says
-
-    @staticmethod
-    def __new__(cls, shape: Sequence[int], segments: Sequence[tuple[int, torch.Tensor]], *,
-                dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-                name: str = "", holder: Optional[torch.Tensor] = None) -> "ShardView":
-        segments = tuple((int(s), t) for s, t in segments)
-        dtype = dtype or (segments[0][1].dtype if segments else torch.float32)
-        device = device or (segments[0][1].device if segments else torch.device("cpu"))
-        view = storage_less_tensor(cls, shape, dtype, device)
-        view._segments, view._label, view.holder = segments, name, holder
-        view._boxes = _boxes_of(tuple(shape), segments, name)
-        return view
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        """Plain dispatch, no subclass wrapping (ops reach ``__torch_dispatch__``)."""
-        return default_torch_function(func, types, args, kwargs or {})
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        """Only ``detach`` (what DCP does to state-dict values); any other op raises."""
-        if getattr(func, "overloadpacket", None) is torch.ops.aten.detach and isinstance(args[0], ShardView):
-            return args[0].rebuilt()
-        view = next((a for a in args if isinstance(a, ShardView)), None)
-        label = f" of {view._label!r}" if view is not None and view._label else ""
-        raise RuntimeError(f"a ShardView{label} is a torch.distributed.checkpoint view of this rank's shard, "
-                        f"not data: {func} is not supported on it (load it with dcp.load, then "
-                        f"parts.partition.load_sharded_state_dict)")
-
-    def rebuilt(self) -> "ShardView":
-        """A new ShardView over the same segments."""
-        return ShardView(self.shape, self._segments, dtype=self.dtype, device=self.device, name=self._label,
-                         holder=self.holder)
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        held = sum(t.numel() for _, t in self._segments)
-        return f"ShardView({self._label!r}, shape={tuple(self.shape)}, {self.dtype}, {held} elements here, " \
-               f"{len(self._boxes)} boxes)"
-
-    def pieces(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-        """``(offsets, view)`` of every box this rank holds (deferred segments materialized)."""
-        return [(off, _resolve(box)) for off, box in self._boxes.items()]
-
-    @property
-    def segments(self) -> tuple[tuple[int, torch.Tensor], ...]:
-        """``(flat_start, 1-D tensor)`` of every piece of the global tensor this rank holds."""
-        return self._segments
-
-    # ------------------------------------------------ DCP's checkpointable protocol (as DTensor)
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        """One SHARD write item per box."""
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape),
-                              properties=_properties(view, self.dtype), size=self.shape))
-                for off, view in self._boxes.items()]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        """The boxes this rank holds (what it reads on load)."""
-        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=view.shape) for off, view in self._boxes.items()]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        """The view of the box at ``index.offset`` (a deferred segment is materialized now)."""
-        view = self._boxes.get(tuple(index.offset) if index.offset is not None else None)
-        if view is None:
-            raise ValueError(f"ShardView {self._label!r}: this rank holds no box at offset {index.offset} "
-                             f"(it holds {list(self._boxes)})")
-        return _resolve(view)
-
-
-def _boxes_of(shape: tuple, segments: tuple, name: str) -> dict:
-    """Offsets -> view of every box of every segment."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    boxes: dict = {}
-    for start, flat in segments:
-        deferred = is_deferred(flat)
-        if not deferred and flat.dim() != 1:
-            raise ValueError(f"ShardView {name!r}: a segment must be a 1-D tensor, got shape {tuple(flat.shape)}")
-        if numel == 0:  # an empty tensor: one empty box, so the key exists in the checkpoint
-            boxes[(0,) * len(shape)] = torch.empty(shape, dtype=flat.dtype) if deferred else \
-                flat.narrow(0, 0, 0).view(shape)
-            continue
-        for box in flat_boxes(shape, start, start + flat.numel()):
-            lo = box.flat_start - start
-            boxes[box.offsets] = _Deferred(flat, lo, box.sizes) if deferred else \
-                flat.narrow(0, lo, box.numel).view(box.sizes)
-    return boxes
-
-
-def settle(state: Any) -> None:
-    """Settle every deferred segment of the ShardViews in ``state`` (nested dicts and lists)."""
-    if isinstance(state, ShardView):
-        for _, piece in state.segments:
-            if is_deferred(piece):
-                piece.settle()
-    elif isinstance(state, dict):
-        for value in state.values():
-            settle(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            settle(value)
-
-
-def has_deferred(state: Any) -> bool:
-    """True if some ShardView in ``state`` has a deferred segment."""
-    if isinstance(state, ShardView):
-        return any(is_deferred(piece) for _, piece in state.segments)
-    if isinstance(state, dict):
-        return any(has_deferred(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return any(has_deferred(v) for v in state)
-    return False
-
-
-# ------------------------------------------------------------------ coordination
-class CheckpointError(RuntimeError):
-    """A DCP step failed on some ranks; ``failures`` maps each such rank to its traceback text."""
-
-    def __init__(self, step: str, failures: dict[int, str]) -> None:
-        self.step, self.failures = step, failures
-        lines = "\n".join(f"--- rank {r}:\n{text}" for r, text in sorted(failures.items()))
-        super().__init__(f"checkpoint {step} failed on rank(s) {sorted(failures)}:\n{lines}")
+__all__ = ["ShardView", "save", "load", "settle", "is_deferred", "same_piece", "CheckpointError"]
 
 
 class _Ranks:
-    """The group's rank, and DCP's central steps (rank 0 reduces, everyone gets the result)."""
+    """The group, and DCP's steps agreed across it: if any rank's part of a step raised, every
+    rank raises ``CheckpointError`` naming the checkpoint, the step, the ranks and their errors."""
 
-    def __init__(self, group: GroupArg) -> None:
-        info = group_info(group, "parts.comm.dcp")
-        self.info, self.rank, self.world = info, info.rank, info.world_size
+    def __init__(self, group: GroupArg, action: str, where: Any) -> None:
+        info = group_info(group, f"parts.comm.dcp.{action}")
+        self.info, self.rank, self.action, self.where = info, info.rank, action, where
         self.is_coordinator = self.rank == 0
 
-    def _raise_failures(self, step: str, results: list) -> None:
-        failures = {r: res[1] for r, res in enumerate(results) if isinstance(res, tuple) and res and res[0] is _FAIL}
-        if failures:
-            raise CheckpointError(step, failures)
+    def error(self, step: str) -> Callable[[Mapping[int, Failure]], CheckpointError]:
+        """What every rank raises when ``step`` failed on some ranks."""
+        def make(failures: Mapping[int, Failure]) -> CheckpointError:
+            ours = all(f.error.startswith(f"{CheckpointError.__name__}:") for f in failures.values())
+            return CheckpointError(
+                f"checkpoint {self.action} of {self.where} failed at its {step} step on rank(s) "
+                f"{sorted(failures)}:\n{describe(failures, tracebacks=not ours)}",
+                path=self.where, failures={r: f.error for r, f in failures.items()})
+        return make
 
     def central(self, step: str, local: Callable[[], Any], reduce: Callable[[list], Any]) -> Any:
         """``reduce`` (on rank 0) of every rank's ``local()``, broadcast to every rank."""
-        mine = _attempt(local)
-        every = all_gather_objects(mine, self.info.group)
-        self._raise_failures(step, every)
-        result = _attempt(lambda: reduce(every)) if self.is_coordinator else None
-        result = broadcast_object(result, 0, self.info.group)
-        self._raise_failures(step, [result])
-        return result
+        every = all_gather_agreed(local, self.info, self.error(step))
+        return broadcast_agreed(lambda: reduce(every), 0, self.info, self.error(step))
 
-
-_FAIL = "__parts_dcp_failure__"
-
-
-def _attempt(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or ``(_FAIL, traceback text)`` if it raised."""
-    try:
-        return fn()
-    except Exception:  # noqa: BLE001  every rank must hear of it, not hang in the next collective
-        return (_FAIL, traceback.format_exc())
+    def on_coordinator(self, step: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on rank 0, its result on every rank."""
+        return broadcast_agreed(fn, 0, self.info, self.error(step))
 
 
 def _accepts_kwargs(method: Callable) -> bool:
     return "kwargs" in inspect.signature(method).parameters
 
 
+def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+
+
+def _target(checkpoint_id: Any, storage: Any, kind: type) -> Optional[Path]:
+    """The local directory the checkpoint is, if it is one (a path, or the file-system
+    writer's/reader's own); None for other storage."""
+    if storage is not None and not isinstance(storage, kind):
+        return None
+    where = checkpoint_id if checkpoint_id is not None else getattr(storage, "path", None)
+    return Path(where) if isinstance(where, (str, os.PathLike)) else None
+
+
 def save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
          storage_writer: Optional[dcp.StorageWriter] = None, planner: Optional[dcp.SavePlanner] = None,
          group: GroupArg = None) -> dcp.Metadata:
-    """``dcp.save`` without numpy: the same checkpoint, plans exchanged through ``parts.comm``.
+    """``dcp.save`` without numpy, agreed across ranks, committed as a transaction into a directory.
 
+    The checkpoint at ``checkpoint_id`` is replaced only once the new one is complete and
+    verified; on any failure every rank raises ``CheckpointError`` and the old one is intact.
     With deferred segments (shards in a ``DiskStore``) and no ``storage_writer``, DCP's
     ``FileSystemWriter`` writes one file per item (``single_file_per_rank=False``): with one
     file per rank it would hold every item it wrote until the file is closed."""
-    ranks = _Ranks(group)
-    writer = _writer(storage_writer, checkpoint_id, has_deferred(state_dict))
+    if checkpoint_id is None and storage_writer is None:
+        raise ValueError("parts.comm.dcp.save: give checkpoint_id (a directory) or a storage_writer")
+    target = _target(checkpoint_id, storage_writer, dcp.FileSystemWriter)
+    ranks = _Ranks(group, "save", target if target is not None else checkpoint_id)
+    deferred = has_deferred(state_dict)
+    try:
+        if target is None:
+            return _save(state_dict, ranks, _writer(storage_writer, checkpoint_id, deferred), planner, None)
+        staging = ranks.on_coordinator("prepare", lambda: files.begin(target))
+        try:
+            writer = _writer(storage_writer, staging, deferred)
+            return _save(state_dict, ranks, writer, planner, (staging, target))
+        except Exception:
+            if ranks.is_coordinator:  # every rank is past its writes: the step was agreed
+                files.abandon(staging)
+            raise
+    finally:
+        if storage_writer is not None and target is not None:
+            storage_writer.reset(target)  # the writer names the checkpoint, not its staging
+        settle(state_dict)
+
+
+def _save(state_dict: dict[str, Any], ranks: _Ranks, writer: dcp.StorageWriter,
+          planner: Optional[dcp.SavePlanner], staged: Optional[tuple[Path, Path]]) -> dcp.Metadata:
+    """DCP's save steps, agreed; with ``staged`` (staging, target) sealed and committed."""
     planner = planner or dcp.DefaultSavePlanner()
-    plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
-    metadata: list = []
+    plain, metadata = _plain(state_dict), []
 
     def local_plan() -> Any:
         planner.set_up_planner(plain, writer.storage_meta(), ranks.is_coordinator)
@@ -281,47 +145,57 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
     def write() -> Any:
         futures = writer.write_data(planner.finish_plan(plans[ranks.rank]), planner)
         futures.wait()
-        return futures.value()
+        results = futures.value()
+        return results, (files.digests(staged[0], files.written_files(results)) if staged else {})
 
-    def finish(results: list) -> Any:
-        writer.finish(metadata=metadata[0], results=results)
+    def finish(every: list) -> Any:
+        writer.finish(metadata=metadata[0], results=[results for results, _ in every])
+        if staged:
+            files.seal(staged[0], {name: d for _, digests in every for name, d in digests.items()})
+            files.commit(*staged)
         return metadata[0]
 
-    try:
-        return ranks.central("write", write, finish)
-    finally:
-        settle(state_dict)
+    return ranks.central("write", write, finish)
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
          storage_reader: Optional[dcp.StorageReader] = None, planner: Optional[dcp.LoadPlanner] = None,
-         group: GroupArg = None) -> None:
-    """``dcp.load`` without numpy: tensors (ShardViews too) are filled in place, other values replaced."""
-    ranks = _Ranks(group)
+         group: GroupArg = None, strict: bool = True) -> None:
+    """``dcp.load`` without numpy: tensors (ShardViews too) are filled in place, other values replaced.
+
+    Every file read is checked against the checkpoint's manifest first; with ``strict`` the
+    state dict's keys must be the checkpoint's (``strict=False`` loads the keys both have).
+    On any failure every rank raises ``CheckpointError`` naming the rank and the file."""
+    if checkpoint_id is None and storage_reader is None:
+        raise ValueError("parts.comm.dcp.load: give checkpoint_id (a directory) or a storage_reader")
+    target = _target(checkpoint_id, storage_reader, dcp.FileSystemReader)
+    ranks = _Ranks(group, "load", target if target is not None else checkpoint_id)
+    manifest = ranks.on_coordinator("open", lambda: files.open_checkpoint(target)) \
+        if target is not None else None
     reader = _reader(storage_reader, checkpoint_id)
-    planner = planner or dcp.DefaultLoadPlanner()
+    planner = planner or dcp.DefaultLoadPlanner(allow_partial_load=not strict)
     keys = sorted(state_dict)
-    plain = {k: (state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k]) for k in keys}
+    plain = _plain(state_dict)
 
     def local_plan() -> Any:
-        metadata = reader.read_metadata()
+        metadata = _metadata(reader, target)
         planner.set_up_planner(plain, metadata, ranks.is_coordinator)
+        if strict:
+            _check_keys(getattr(planner, "state_dict", None), metadata, ranks.where)
         if _accepts_kwargs(reader.set_up_storage_reader):
             reader.set_up_storage_reader(metadata, ranks.is_coordinator, rank=ranks.rank, use_collectives=True)
         else:
             reader.set_up_storage_reader(metadata, ranks.is_coordinator)
-        return reader.prepare_local_plan(planner.create_local_plan())
+        plan = planner.create_local_plan()
+        if target is not None:
+            files.verify_reads(target, manifest, _files_read(plan, metadata))
+        return reader.prepare_local_plan(plan)
 
-    def global_plan(plans: list) -> list:
-        return reader.prepare_global_plan(planner.create_global_plan(plans))
-
-    plans = ranks.central("load plan", local_plan, global_plan)
-
-    def read() -> None:
-        reader.read_data(planner.finish_plan(plans[ranks.rank]), planner).wait()
-
+    plans = ranks.central("plan", local_plan, lambda plans: reader.prepare_global_plan(
+        planner.create_global_plan(plans)))
     try:
-        ranks.central("read", read, lambda results: None)
+        ranks.central("read", lambda: reader.read_data(planner.finish_plan(plans[ranks.rank]), planner).wait(),
+                      lambda results: None)
     finally:
         settle(state_dict)  # the last stored tensor DCP wrote into goes back to its store
     for k in keys:
@@ -331,10 +205,43 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
             state_dict[k] = plain[k]
 
 
+def _metadata(reader: dcp.StorageReader, target: Optional[Path]) -> dcp.Metadata:
+    """The checkpoint's metadata: from a directory without running code (``dcp_files``), else
+    as the reader reads it; the reader's load id stamped on it, as ``FileSystemReader`` does."""
+    if target is None:
+        return reader.read_metadata()
+    metadata = files.read_metadata(target)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = getattr(reader, "load_id", None)
+    return metadata
+
+
+def _check_keys(requested: Any, metadata: dcp.Metadata, where: Any) -> None:
+    """Raise naming the keys only one of the state dict (flattened, as DCP names them) and the checkpoint has."""
+    if not isinstance(requested, Mapping):
+        return
+    saved = set(metadata.state_dict_metadata)
+    missing, unexpected = sorted(set(requested) - saved), sorted(saved - set(requested))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {where} does not hold the state dict's keys (strict=False loads the keys "
+            f"both have): missing keys (in the state dict, not in the checkpoint): {missing}; "
+            f"unexpected keys (in the checkpoint, not in the state dict): {unexpected}", path=where)
+
+
+def _files_read(plan: Any, metadata: dcp.Metadata) -> set[str]:
+    """The checkpoint files a load plan reads from."""
+    names = set()
+    for item in plan.items:
+        name = getattr(metadata.storage_data.get(item.storage_index), "relative_path", None)
+        if isinstance(name, str):
+            names.add(name)
+    return names
+
+
 def _writer(writer: Optional[dcp.StorageWriter], checkpoint_id: Any, deferred: bool) -> dcp.StorageWriter:
     if writer is None:
-        if checkpoint_id is None:
-            raise ValueError("parts.comm.dcp.save: give checkpoint_id (a directory) or a storage_writer")
         return dcp.FileSystemWriter(checkpoint_id, single_file_per_rank=not deferred)
     if checkpoint_id is not None:
         writer.reset(checkpoint_id)
@@ -343,8 +250,6 @@ def _writer(writer: Optional[dcp.StorageWriter], checkpoint_id: Any, deferred: b
 
 def _reader(reader: Optional[dcp.StorageReader], checkpoint_id: Any) -> dcp.StorageReader:
     if reader is None:
-        if checkpoint_id is None:
-            raise ValueError("parts.comm.dcp.load: give checkpoint_id (a directory) or a storage_reader")
         return dcp.FileSystemReader(checkpoint_id)
     if checkpoint_id is not None:
         reader.reset(checkpoint_id)

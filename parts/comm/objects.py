@@ -2,6 +2,10 @@
 
 torch's own object collectives (``all_gather_object``, ``broadcast_object_list``) need numpy,
 which a fresh environment does not have; nothing in ``parts`` or its recipes uses them.
+
+An object that does not pickle on one rank must not leave the others waiting in the second
+collective: that rank sends a ``Failure`` record instead, flagged in the size exchange, so
+every rank raises (the failing rank its own error, the others ``RankDisagreement``).
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ import pickle
 import torch
 
 from parts.comm.collectives import all_gather_list, broadcast, comm_device
+from parts.comm.failure import Failure, RankDisagreement, describe
 from parts.comm.group import GroupArg, GroupInfo, group_info
-
 
 
 def _active(group: GroupArg) -> GroupInfo | None:
@@ -21,10 +25,24 @@ def _active(group: GroupArg) -> GroupInfo | None:
     return info if info.world_size > 1 else None
 
 
-def _to_bytes(obj: object, device: torch.device) -> torch.Tensor:
-    """``obj`` pickled into a uint8 tensor on ``device``."""
-    payload = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-    return torch.frombuffer(payload, dtype=torch.uint8).to(device)
+def _to_bytes(obj: object, device: torch.device, rank: int) -> tuple[torch.Tensor, BaseException | None]:
+    """``obj`` pickled into a uint8 tensor on ``device``, or a pickled ``Failure`` and the
+    exception if ``obj`` does not pickle."""
+    try:
+        payload, error = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), None
+    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, not wait
+        payload, error = bytearray(pickle.dumps(Failure.of(exc, rank))), exc
+    return torch.frombuffer(payload, dtype=torch.uint8).to(device), error
+
+
+def _check(received: list[object], flags: list[int], own: BaseException | None, what: str) -> None:
+    """Raise on every rank if some rank could not pickle its object (``flags[r]`` set)."""
+    failures = {r: obj for r, (obj, flag) in enumerate(zip(received, flags)) if flag}
+    if own is not None:
+        raise own
+    if failures:
+        raise RankDisagreement(f"{what}: the object of another rank could not be pickled, so no rank "
+                               f"went on (group ranks) {describe(failures)}")
 
 
 def _from_bytes(data: torch.Tensor) -> object:
@@ -41,13 +59,15 @@ def all_gather_objects(obj: object, group: GroupArg = None) -> list[object]:
     if info is None:
         return [obj]
     device = comm_device(info)
-    mine = _to_bytes(obj, device)
-    sizes = all_gather_list(torch.tensor([mine.numel()], dtype=torch.int64, device=device), info)
-    longest = max(int(size.item()) for size in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine, error = _to_bytes(obj, device, info.rank)
+    head = torch.tensor([mine.numel(), int(error is not None)], dtype=torch.int64, device=device)
+    heads = all_gather_list(head, info)
+    sizes, flags = [int(h[0].item()) for h in heads], [int(h[1].item()) for h in heads]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
-    received = all_gather_list(padded, info)
-    return [_from_bytes(data[: int(size.item())]) for data, size in zip(received, sizes)]
+    received = [_from_bytes(data[:size]) for data, size in zip(all_gather_list(padded, info), sizes)]
+    _check(received, flags, error, "all_gather_objects")
+    return received
 
 
 def broadcast_object(obj: object, src: int = 0, group: GroupArg = None) -> object:
@@ -56,10 +76,14 @@ def broadcast_object(obj: object, src: int = 0, group: GroupArg = None) -> objec
     if info is None:
         return obj
     device = comm_device(info)
-    data = _to_bytes(obj, device) if info.rank == src else None
-    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=device)
-    broadcast(size, src, info)
+    data, error = _to_bytes(obj, device, info.rank) if info.rank == src else (None, None)
+    head = torch.tensor([data.numel() if data is not None else 0, int(error is not None)],
+                        dtype=torch.int64, device=device)
+    broadcast(head, src, info)
     if data is None:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        data = torch.empty(int(head[0].item()), dtype=torch.uint8, device=device)
     broadcast(data, src, info)
-    return _from_bytes(data)
+    result = _from_bytes(data)
+    flags = [int(head[1].item()) if r == src else 0 for r in range(info.world_size)]
+    _check([result if r == src else None for r in range(info.world_size)], flags, error, "broadcast_object")
+    return result
