@@ -1,5 +1,5 @@
 """The module-level entry points of the coordinator: ``attach``, ``detach``,
-``register_external_parameter``."""
+``register_external_parameter``, ``refresh``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
 
-__all__ = ["attach", "detach", "register_external_parameter"]
+__all__ = ["attach", "detach", "register_external_parameter", "refresh"]
 
 
 def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
@@ -38,3 +38,13 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
         raise RuntimeError(f"register_external_parameter: {type(module).__name__} is not part of a "
                            "model with an attached FetchCoordinator; call attach(model) first")
     coordinator.register_external_parameter(module, param)
+
+
+def refresh(module: nn.Module) -> None:
+    """Gather again what an attached model keeps gathered whose shards were written outside an
+    optimizer step (reads.py), so reads see them; a collective if any: call it on every rank."""
+    coordinator = attached_to(module)
+    if coordinator is None:
+        raise RuntimeError(f"refresh: {type(module).__name__} has no attached FetchCoordinator; "
+                           "without one, parts.partition.gather(params) fetches current values")
+    coordinator.steps.refresh()

@@ -169,6 +169,7 @@ class FetchCoordinator:
         if self.knobs.debug:
             self.steps.outside("detach")
             points.unregister(self._records(), self._checker)
+        self.steps.close()
         for hooks in self._hooks.values():
             hooks.remove()
         for handle in self._grad_hooks:

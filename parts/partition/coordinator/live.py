@@ -199,7 +199,7 @@ class LiveSet:
                 stale.append(pid)
         return todo, stale
 
-    def refresh_persistent(self, todo: list[int], stale: list[int]) -> None:
+    def refresh_persistent(self, todo: list[int], stale: list[int], async_op: bool) -> None:
         """Gather ``todo`` and the ``stale`` persistent params in one collective; the stale
         ones stay gathered and are refilled in place (``core.gather``: no release, no alloc)."""
         ids = sorted(todo + stale)
@@ -210,8 +210,7 @@ class LiveSet:
         key = self._pass_key(FORWARD)
         for pid in ids:
             self._note_gathered(pid, key)
-        gather(self.table.select(ids), self.group, async_op=self.knobs.overlap_comm, pool=self.pool,
-               compute=True)
+        gather(self.table.select(ids), self.group, async_op=async_op, pool=self.pool, compute=True)
 
     def refresh_flat(self, flat: "FlatGather", how: str) -> None:
         """Gather the flat persistent params in one collective (``flat.py``), counted per param."""

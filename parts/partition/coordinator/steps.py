@@ -6,6 +6,14 @@ that need it are gathered in one collective (those of the flat buffer, flat.py, 
 their own). It ends when its forward returns (no grad) or its backward does: the trace is
 stored, idle parameters are released and the counters of the step are frozen into the
 ``CoordinatorStats`` that ``stats()`` returns.
+
+Between steps, what stays gathered is current: after every optimizer step (core/steps.py
+calls ``after_optimizer_step`` when the outermost ``step()`` returns) the persistent
+parameters whose shards changed are gathered again, synchronously, so ``state_dict()``,
+``named_parameters()`` and any user read see the stepped values; the next step's start then
+finds them current (the same collective, moved). An optimizer step inside a step of this
+coordinator (stepping in backward) defers that refresh to the step's end. Reads of shards
+changed any other way: reads.py.
 """
 
 from __future__ import annotations
@@ -14,10 +22,14 @@ from typing import Optional
 
 from torch import nn
 
+from parts._compat import in_backward
+from parts.base.weak import weak_method
+from parts.partition.core import steps as optimizer_steps
 from parts.partition.coordinator.debug import StepCheck
-from parts.partition.coordinator.flat import FALLBACK, INSTALL, REFILL, FlatGather
+from parts.partition.coordinator.flat import CURRENT, FALLBACK, INSTALL, REFILL, FlatGather
 from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.prefetch import Prefetcher
+from parts.partition.coordinator.reads import ReadGuard
 from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, freeze
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
@@ -40,6 +52,14 @@ class Steps:
         self._misses = 0
         self._done = 0
         self._buffers_dirty = True
+        self._pending = False  # an optimizer stepped during a step: refresh at its end
+        self.reads = ReadGuard(root, table)
+        optimizer_steps.listen(self.after_optimizer_step)
+
+    def close(self) -> None:
+        """Detach: no more refreshes after optimizer steps, no read guard."""
+        optimizer_steps.unlisten(self.after_optimizer_step)
+        self.reads.remove()
 
     def get(self, phase: Optional[str]) -> Optional[StepState]:
         """The step in progress of ``phase`` (None if none)."""
@@ -70,14 +90,36 @@ class Steps:
         ones (flat.py) in a collective of their own. The decision is local (every rank steps its
         shards of the same params); ``debug`` checks it."""
         how = self.flat.decide(self.live.uses)
-        flat = how in (REFILL, INSTALL)
         todo, stale = self.live.persistent_to_gather(
             self.table.persistent_ids if how == FALLBACK else self.flat.others)
+        flat = how in (REFILL, INSTALL)
         ids = todo + stale + (self.flat.pids if flat else [])
         self.check.point(self.current[phase], "start", ids=sorted(ids))
         if flat:
             self.live.refresh_flat(self.flat, how)
-        self.live.refresh_persistent(todo, stale)
+        self.live.refresh_persistent(todo, stale, self.live.knobs.overlap_comm)
+
+    def after_optimizer_step(self) -> None:
+        """An optimizer step ended: gather again (synchronously) the persistent params whose shards
+        it changed, so reads between steps see them; inside a step of ours, at that step's end."""
+        if self.current or in_backward():
+            self._pending = True
+            return
+        self._pending = False
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Gather again the gathered persistent params whose shards changed (one collective per
+        kind, none if nothing changed); those not gathered wait for the next step's start."""
+        how = self.flat.decide(self.live.uses)  # not REFILL: the flat ones one by one (if gathered)
+        _, stale = self.live.persistent_to_gather(
+            self.flat.others if how in (CURRENT, REFILL) else self.table.persistent_ids)
+        if how != REFILL and not stale:
+            return
+        self.outside("refresh after an optimizer step")
+        if how == REFILL:
+            self.live.refresh_flat(self.flat, how)
+        self.live.refresh_persistent([], stale, False)
 
     def end(self, phase: str) -> None:
         """Finish the step of ``phase``: store its trace, release idle params, freeze the counters."""
@@ -97,6 +139,8 @@ class Steps:
                            persistent_elements=self.table.persistent_elements(),
                            cached_bytes=pool.cached_bytes if pool else 0)
         self.counters.reset()
+        if self._pending and not self.current:
+            self.after_optimizer_step()
 
     def abandon(self, phase: str) -> None:
         """Forget the step of ``phase`` after an error; release what it held, locally only."""

@@ -1,0 +1,88 @@
+"""Reads of an attached model's weights between steps, and the one wrap it must not get.
+
+The rule. Between steps, a parameter the coordinator keeps gathered (a persistent one) holds
+its shard's current values: every optimizer ``step()`` (any ``torch.optim.Optimizer``, the
+parts wrappers included) is followed by a refresh of the ones it changed (core/steps.py,
+steps.py), and parts' own writers (``gathered(..., modifier_rank=...)``,
+``load_full_state_dict``, ``load_sharded_state_dict``) write the full tensor with the shard.
+A shard written any other way (``meta(p).shard.add_(...)`` outside an optimizer step) leaves
+the gathered copy stale until the next forward on every rank, or ``parts.partition.refresh
+(model)``; ``model.state_dict()`` raises meanwhile instead of returning it. A parameter not
+gathered between steps (more elements than ``persistence_threshold``) has no full value to
+read: ``model.state_dict()`` raises, naming ``full_state_dict``, the collective that reads it.
+
+The wrap. ``DistributedDataParallel(model)`` would all-reduce full grads the coordinator
+already reduce-scatters, and read parameters that are released between steps. DDP reads
+``module._ddp_params_and_buffers_to_ignore`` first thing; the attached root's is a set that
+refuses to be iterated, so the wrap raises with the fix in its message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from torch import nn
+
+from parts.partition.coordinator.table import ParamTable
+from parts.partition.core.param import ParamStatus, is_stale
+
+__all__ = ["ReadGuard", "NO_DDP"]
+
+NO_DDP = "parts models need no DDP wrap"
+_DDP_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+
+class RefuseDDP:
+    """The attached root's ``_ddp_params_and_buffers_to_ignore``: iterating it (what
+    ``DistributedDataParallel.__init__`` does) raises, saying why and what to do instead."""
+
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError(
+            f"{NO_DDP}: an attached model (parts.partition.attach) reduce-scatters its own grads "
+            f"across ranks, so DistributedDataParallel would reduce them twice and read parameters "
+            f"released between steps. Train the model as it is (accelerate / Trainer: "
+            f"parts.integrations); to reduce grads with DDP instead, detach(model) first")
+
+
+class ReadGuard:
+    """The read checks of one attached root: a ``state_dict`` pre-hook and the DDP refusal."""
+
+    def __init__(self, root: nn.Module, table: ParamTable) -> None:
+        self.root, self.table = root, table
+        self.handle = root.register_state_dict_pre_hook(self._before_state_dict)
+        self.had_ddp = _DDP_ATTR in root.__dict__
+        if not self.had_ddp:
+            root.__dict__[_DDP_ATTR] = RefuseDDP()
+
+    def remove(self) -> None:
+        """Detach: the model reads and wraps as a plain one again."""
+        self.handle.remove()
+        if not self.had_ddp and isinstance(self.root.__dict__.get(_DDP_ATTR), RefuseDDP):
+            del self.root.__dict__[_DDP_ATTR]
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """Refuse ``state_dict()`` values that are not current: stale or not gathered."""
+        if keep_vars:
+            return
+        for m in self.table.records.values():
+            if m.status is not ParamStatus.AVAILABLE:
+                raise RuntimeError(_released_message(m, prefix))
+            if is_stale(m):
+                raise RuntimeError(_stale_message(m, prefix))
+
+
+def _released_message(m: Any, prefix: str) -> str:
+    return (f"parts.partition: {prefix or 'model.'}state_dict() reads full weights, but "
+            f"{m.describe()} is sharded over {m.world_size} ranks and not gathered between steps "
+            f"(more elements than persistence_threshold). Read the weights with "
+            f"parts.partition.full_state_dict(model) on every rank (Hugging Face: "
+            f"model.save_pretrained(path, state_dict=full_state_dict(model)) on rank 0 after it), "
+            f"or checkpoint with parts.partition.sharded_state_dict(model)")
+
+
+def _stale_message(m: Any, prefix: str) -> str:
+    return (f"parts.partition: {prefix or 'model.'}state_dict() would return a stale value of "
+            f"{m.describe()}: its shard was written outside an optimizer step since it was "
+            f"gathered. Call parts.partition.refresh(model) on every rank first (the next forward "
+            f"refreshes it too), or write shards inside an optimizer step or "
+            f"`with parts.partition.gathered(params, modifier_rank=...)`")
