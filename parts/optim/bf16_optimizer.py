@@ -20,6 +20,7 @@ from . import state_dict as ckpt
 from .flat_group import FlatGroup
 from .layout import STEP_CHUNK, counted_ranges, plan_buckets
 from .loss_scaler import DynamicLossScaler
+from .reader import Source
 from .sharded import ShardedParam
 from .validation import ParamChecker, check_options, check_param_dtype, check_shard_group
 
@@ -379,7 +380,7 @@ class BF16Optimizer(OptimizerWrapper):
         """World-size-free full state on rank 0 (None elsewhere); a collective."""
         return ckpt.consolidated_state_dict(self)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Optional[Source], strict: bool = True) -> None:  # type: ignore[override]
         """Load a consolidated dict, or the list of every saved rank's dicts, at any world size.
 
         Raises before changing anything if a model parameter is missing or has another shape,

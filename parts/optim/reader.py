@@ -8,7 +8,7 @@ and which saved ranks a load needs before anything is loaded.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -16,12 +16,13 @@ from .layout import source_ranges
 from .load_checks import check_dtypes, check_names
 
 FORMAT = "parts.optim.BF16Optimizer/1"
+Source = Union[Mapping[str, Any], Sequence[Mapping[str, Any]]]  # consolidated, or every rank's
 
 
 class Reader:
     """Reads elements ``[e0, e1)`` of one saved parameter's flat master or state."""
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Optional[Source]) -> None:
         if source is None:
             raise ValueError("BF16Optimizer.load_state_dict got None on this rank: "
                              "consolidated_state_dict() returns None on every rank but 0 (it gathers "

@@ -22,7 +22,7 @@ from .inner_state import is_elementwise as _is_elementwise
 from .load_checks import group_options
 from .flat_group import FlatGroup
 from .masters import Masters
-from .reader import FORMAT, Reader
+from .reader import FORMAT, Reader, Source
 from .sharded import ShardedParam
 
 
@@ -218,7 +218,7 @@ def _group_names(opt: Masters) -> list[list[str]]:
             for g, fg in enumerate(opt.flat_groups)]
 
 
-def _plan(opt: Masters, source: Any, strict: bool) -> tuple[Reader, list]:
+def _plan(opt: Masters, source: Optional[Source], strict: bool) -> tuple[Reader, list]:
     """Every check of a load, before anything changes: the reader and each group's settings."""
     reader = Reader(source)
     reader.check(_model_shapes(opt), strict)
@@ -227,7 +227,7 @@ def _plan(opt: Masters, source: Any, strict: bool) -> tuple[Reader, list]:
     return reader, group_options(reader.first["param_groups"], saved_group, _group_names(opt))
 
 
-def load(opt: Masters, source: Any, strict: bool = True) -> None:
+def load(opt: Masters, source: Optional[Source], strict: bool = True) -> None:
     """Load a consolidated dict, or saved rank dicts (all, or at least those this rank's new
     partition overlaps; at an unchanged world size, this rank's own), into ``opt``.
 

@@ -3,9 +3,10 @@ collectives of tensor parallelism, and the gathers/reductions of the helpers (on
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from parts.comm import (GroupArg, ProcessGroup, all_gather_list, all_gather_objects,
                         all_reduce, group_info, new_group, require_distributed)
@@ -42,12 +43,12 @@ class _CopyToTP(torch.autograd.Function):
     """Identity in forward; all-reduce (sum) of the grad over the tp group in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: GroupArg) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: GroupArg) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.clone(memory_format=torch.contiguous_format)
         all_reduce(grad, group_info(ctx.group))
         return grad, None
@@ -57,13 +58,13 @@ class _ReduceFromTP(torch.autograd.Function):
     """All-reduce (sum) over the tp group in forward; identity for the grad in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: GroupArg) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: GroupArg) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
         all_reduce(out, group_info(group))
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 

@@ -9,15 +9,15 @@ buffers pays nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import torch
 from torch import nn
 
-from parts.comm import broadcast
+from parts.comm import GroupInfo, broadcast
 
 
-def broadcast_buffers(module: nn.Module, info: Any) -> int:
+def broadcast_buffers(module: nn.Module, info: Optional[GroupInfo]) -> int:
     """Copy rank 0's buffers of ``module`` to every rank of ``info``; returns how many."""
     if info is None or info.world_size == 1:
         return 0
