@@ -151,6 +151,14 @@ def test_parts_imports_no_recipe_or_benchmark() -> None:
     assert not bad, bad
 
 
+def test_base_uses_no_part() -> None:
+    """parts.base imports nothing of parts but itself and the torch shims (not even parts.comm)."""
+    bad = [(m, line, s) for m in MODULES if m.startswith("parts.base")
+           for s, _, line in imports(m)
+           if s.startswith("parts.") and not s.startswith(("parts.base", "parts._compat"))]
+    assert not bad, bad
+
+
 def test_nothing_in_parts_imports_integrations() -> None:
     """Integrations sit above the parts: only parts.integrations itself imports it (an
     import-linter contract cannot name the package before it exists, so it is checked here)."""
