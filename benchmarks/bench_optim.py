@@ -77,7 +77,7 @@ def bench_wrapped(numel: int, steps: int) -> dict:
     parts = {"reduce-scatter": [], "inner step": [], "copy-back + all-gather": []}
     for key, owner, attr in (("reduce-scatter", opt, "_reduce_grads"),
                              ("inner step", opt.optimizer, "step"),
-                             ("copy-back + all-gather", opt, "_write_back")):
+                             ("copy-back + all-gather", opt, "write_back")):
         setattr(owner, attr, _clocked(getattr(owner, attr), parts[key]))
 
     def step() -> None:

@@ -1,0 +1,85 @@
+"""Every Python code block of README.md and docs/*.md runs.
+
+A block whose first line is ``# torchrun --nproc-per-node N`` runs on N gloo ranks of the
+harness (its ``dist.init_process_group(...)`` line finds the group already made); any other
+``python`` block runs in this process. Each block runs alone, in a fresh namespace, inside a
+temporary directory, so that a block a reader copies works as it stands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from harness import run
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+TORCHRUN = re.compile(r"#\s*torchrun --nproc-per-node (\d+)")
+
+
+def blocks() -> list[tuple[str, int, str]]:
+    """(page, line, source) of every ```python block of the README and the guides."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append((str(page.relative_to(ROOT)), line, match.group(1)))
+    return found
+
+
+def world_of(source: str) -> int:
+    """The rank count a block names on its first line, or 0 for a single-process block."""
+    first = source.lstrip().splitlines()[0] if source.strip() else ""
+    match = TORCHRUN.match(first)
+    return int(match.group(1)) if match else 0
+
+
+@contextlib.contextmanager
+def _inside(directory: str):
+    before = os.getcwd()
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def _exec(source: str, name: str, directory: str) -> None:
+    """Run ``source`` as a script named ``name`` with ``directory`` as the working directory."""
+    with _inside(directory):
+        exec(compile(source, name, "exec"), {"__name__": "__main__"})
+
+
+def _exec_on_rank(source: str, name: str, directory: str) -> bool:
+    """One rank of a torchrun block: the harness made the process group already."""
+    made = dist.init_process_group
+    dist.init_process_group = lambda *args, **kwargs: None  # the block's own call: the group exists
+    try:
+        _exec(source, name, directory)
+    finally:
+        dist.init_process_group = made
+    return True
+
+
+BLOCKS = blocks()
+
+
+def test_the_pages_have_python_blocks():
+    assert len(BLOCKS) >= 10, [b[:2] for b in BLOCKS]
+
+
+@pytest.mark.parametrize("page,line,source", BLOCKS, ids=[f"{p}:{n}" for p, n, _ in BLOCKS])
+def test_block_runs(page: str, line: int, source: str, tmp_path: Path) -> None:
+    name = f"{page}:{line}"
+    world = world_of(source)
+    if world:
+        assert run(world, _exec_on_rank, source, name, str(tmp_path), timeout=120.0) == [True] * world
+    else:
+        _exec(source, name, str(tmp_path))
