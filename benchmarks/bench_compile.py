@@ -1,5 +1,6 @@
-"""Step time of a small GPT with torch.compile: parts eager, parts + ``compile_blocks``, FSDP2
-eager and FSDP2 + per-block ``compile``, side by side in one run (world 2, fp32, SGD).
+"""Step time of a small GPT with torch.compile: parts eager, parts + ``compile_blocks``, parts +
+``torch.compile(model)``, FSDP2 eager and FSDP2 + per-block ``compile``, side by side in one run
+(world 2, fp32, SGD).
 
     torchrun --nproc-per-node 2 benchmarks/bench_compile.py [--steps 8 --n-embd 128 --layers 4]
 
@@ -30,15 +31,17 @@ from record import record  # noqa: E402
 from parts.partition import attach, compile_blocks, partitioned, shards  # noqa: E402
 
 
-def _parts(config: GPTConfig, compiled: bool) -> tuple:
-    """A parts ZeRO-3 model (every parameter fetched per block) and its optimizer."""
+def _parts(config: GPTConfig, compiled: object) -> tuple:
+    """A parts ZeRO-3 model (every parameter fetched per block) and its optimizer; ``compiled``:
+    False, "blocks" (``compile_blocks``) or "model" (``torch.compile(model)``)."""
     torch.manual_seed(0)
     with partitioned():
         model = GPT(config)
     attach(model, persistence_threshold=0)
-    if compiled:
+    opt = torch.optim.SGD(shards(model), lr=0.1)
+    if compiled == "blocks":
         compile_blocks(model, model.blocks)
-    return model, torch.optim.SGD(shards(model), lr=0.1)
+    return (torch.compile(model) if compiled == "model" else model), opt
 
 
 def _fsdp(config: GPTConfig, compiled: bool) -> tuple:
@@ -82,7 +85,7 @@ def _measure(build, config: GPTConfig, args: argparse.Namespace, compiled: bool)
 
 
 def main() -> None:
-    """Run the four systems in turn and print the table on rank 0."""
+    """Run the five systems in turn and print the table on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
@@ -95,7 +98,8 @@ def main() -> None:
     torch.set_num_threads(1)
     config = GPTConfig(vocab_size=128, block_size=64, n_layer=args.layers, n_head=4, n_embd=args.n_embd)
     results = {}
-    for name, build, compiled in (("parts eager", _parts, False), ("parts + compile_blocks", _parts, True),
+    for name, build, compiled in (("parts eager", _parts, False), ("parts + compile_blocks", _parts, "blocks"),
+                                  ("parts + torch.compile(model)", _parts, "model"),
                                   ("FSDP2 eager", _fsdp, False), ("FSDP2 + block.compile()", _fsdp, True)):
         if dist.get_rank() == 0:
             print(f"running {name} ...", flush=True)
@@ -103,9 +107,9 @@ def main() -> None:
         results[name] = _measure(build, config, args, compiled)
     if dist.get_rank() == 0:
         base = results["parts eager"]["wall"]
-        print(f"{'system':26s} {'step (s)':>9s} {'cpu/step (s)':>12s} {'x parts eager':>13s} {'final loss':>11s}")
+        print(f"{'system':30s} {'step (s)':>9s} {'cpu/step (s)':>12s} {'x parts eager':>13s} {'final loss':>11s}")
         for name, r in results.items():
-            print(f"{name:26s} {r['wall']:9.4f} {r['cpu']:12.4f} {r['wall'] / base:13.2f} {r['loss']:11.6f}")
+            print(f"{name:30s} {r['wall']:9.4f} {r['cpu']:12.4f} {r['wall'] / base:13.2f} {r['loss']:11.6f}")
         record("bench_compile", {"rows": [
             {"system": name, "step_s": round(r["wall"], 4), "cpu_per_step_s": round(r["cpu"], 4),
              "vs_parts_eager": round(r["wall"] / base, 3), "final_loss": round(r["loss"], 6)}
