@@ -18,7 +18,7 @@ from parts.comm.counter import comm_counter, wire_bytes
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming, sums_on_receipt
 from parts.comm.group import GroupArg, GroupInfo, group_info, is_distributed
 from parts.comm.packed import FinishAfter, PackedAllGather, PackedReduceScatter, split_small
-from parts.comm.work import Waitable, Work, WorkList
+from parts.comm.work import Waitable, Work, WorkList, finish
 
 ReduceOp = dist.ReduceOp
 """The reduction ops (``ReduceOp.SUM``, ``MAX``, ``MIN``, ...)."""
@@ -38,10 +38,7 @@ def _run_many(collective: Callable, outs: Sequence[torch.Tensor], ins: Sequence[
         return Work() if async_op else None
     works = WorkList([collective(o, i, group=info.group, async_op=True) for o, i in zip(outs, ins)],
                      (outs, ins))
-    if async_op:
-        return works
-    works.wait()
-    return None
+    return finish(works, async_op)
 
 
 def _packing(collective: Callable, packer: type, outs: Sequence[torch.Tensor],
@@ -58,11 +55,7 @@ def _packing(collective: Callable, packer: type, outs: Sequence[torch.Tensor],
     works = [FinishAfter(_run_many(collective, [pack.recv], [pack.send], info, True), pack.finish)]
     if direct:
         works.append(_run_many(collective, [outs[i] for i in direct], [ins[i] for i in direct], info, True))
-    work = WorkList(works)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return finish(WorkList(works), async_op)
 
 
 def all_gather_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from parts._compat import all_gather_flat, reduce_scatter_flat
-from parts.comm.work import Waitable, WorkList
+from parts.comm.work import Waitable, WorkList, finish
 
 
 def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
@@ -40,10 +40,7 @@ def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional
     chunks[rank].copy_(input)
     work = WorkList([dist.broadcast(chunks[r], src=_global_rank(group, r), group=group, async_op=True)
                      for r in range(world) if chunks.shape[1]])
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return finish(work, async_op)
 
 
 def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
@@ -74,10 +71,7 @@ def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any 
     else:
         chunk = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
         work = _SliceWhenDone(dist.all_reduce(input, op=op, group=group, async_op=True), output, chunk, divide_by)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return finish(work, async_op)
 
 
 def _exchange_sum(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup], divide_by: int) -> Any:

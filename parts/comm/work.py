@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 
 class Waitable(Protocol):
@@ -33,3 +33,11 @@ class WorkList:
             work.wait()
         self._works, self._tensors = [], ()
         return True
+
+
+def finish(work: Waitable, async_op: bool) -> Optional[Waitable]:
+    """A collective's result as its caller asked: the handle if ``async_op``, else None once done."""
+    if async_op:
+        return work
+    work.wait()
+    return None
