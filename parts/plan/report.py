@@ -1,0 +1,77 @@
+"""The planner's table: memory per rank by kind, traffic per step by link, the references."""
+
+from __future__ import annotations
+
+from typing import Optional, TextIO
+
+from parts.plan.estimate import Widths
+from parts.plan.layout_bytes import GIB, Plan, Reference, link_split
+from parts.plan.shapes import ModelShape
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def memory_rows(plan: Plan) -> list[tuple[str, int]]:
+    """(what, bytes per rank) of the plan, activations excluded."""
+    return [("parameter shards", plan.param_bytes), ("gradient shards", plan.grad_bytes),
+            ("optimizer state", plan.optimizer_bytes), ("small parameters kept gathered", plan.persistent_bytes),
+            ("full parameters gathered at once (peak)", plan.gathered_peak_bytes),
+            ("total (no activations)", plan.peak_bytes)]
+
+
+def traffic_rows(plan: Plan, ranks_per_node: int) -> list[tuple[str, int, int]]:
+    """(collective, bytes inside the node, bytes between nodes) per rank and step."""
+    rows = []
+    for name, nbytes in (("all-gather (received)", plan.allgather_bytes),
+                         ("reduce-scatter (sent)", plan.reduce_scatter_bytes)):
+        rows.append((name, *link_split(nbytes, plan.world_size, ranks_per_node)))
+    inside, between = (sum(r[k] for r in rows) for k in (1, 2))
+    return rows + [("total", inside, between)]
+
+
+def advice(plan: Plan, limit: Optional[float]) -> list[str]:
+    """What to change when the plan does not fit ``limit`` GiB: the biggest movable kinds first."""
+    if limit is None or plan.peak_bytes <= limit * GIB:
+        return []
+    over = plan.peak_bytes - limit * GIB
+    lines = [f"does not fit: {_gib(plan.peak_bytes)} > {limit:g} GiB (over by {_gib(over)})"]
+    lines.append(f"- offload optimizer state to disk (parts.offload.OffloadedOptimizer): "
+                 f"{_gib(plan.optimizer_bytes)} leaves memory")
+    lines.append(f"- shards on disk too (partitioned(remote_device=DiskStore(...))): another "
+                 f"{_gib(plan.param_bytes)} leaves memory")
+    lines.append(f"- more ranks: model states shrink as 1/N ({_gib(plan.model_state_bytes)} at N={plan.world_size})")
+    if plan.persistent_bytes:
+        lines.append(f"- persistence_threshold=0: {_gib(plan.persistent_bytes)} of kept full copies leave memory")
+    return lines
+
+
+def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, limit: Optional[float],
+           *, title: str, out: TextIO) -> bool:
+    """Print the table for ``plan``; True if it fits ``limit`` GiB per rank (or no limit given)."""
+    w, k = plan.world_size, max(1, min(ranks_per_node, plan.world_size))
+    print(f"{title}: {plan.params / 1e9:,.3f} B parameters, world {w} "
+          f"({-(-w // k)} nodes x {k} ranks), parts full sharding", file=out)
+    print("\nmemory per rank          |", file=out)
+    for what, nbytes in memory_rows(plan):
+        print(f"  {what:<40} {_gib(nbytes):>14}", file=out)
+    print("\ntraffic per rank and step   inside node   between nodes", file=out)
+    for what, inside, between in traffic_rows(plan, k):
+        print(f"  {what:<24} {_gb(inside):>12} {_gb(between):>14}", file=out)
+    ref = Reference(plan.params, w, param_bytes=widths.param, state_bytes=widths.state)
+    print("\nmodel states per rank, for reference (ZeRO paper formulas; DeepSpeed's estimate)", file=out)
+    for name, nbytes in (("DDP", ref.ddp()), ("ZeRO-1", ref.zero1()), ("ZeRO-2", ref.zero2()),
+                         ("ZeRO-3", ref.zero3()), ("parts (this plan)", plan.model_state_bytes),
+                         ("DeepSpeed estimate_zero3 (GPU, no offload)", ref.deepspeed_estimate(shape.largest_module()))):
+        print(f"  {name:<44} {_gib(nbytes):>14}", file=out)
+    lines = advice(plan, limit)
+    for line in lines:
+        print(("\n" if line is lines[0] else "") + line, file=out)
+    if limit is not None and not lines:
+        print(f"\nfits: {_gib(plan.peak_bytes)} <= {limit:g} GiB per rank, before activations", file=out)
+    return not lines
