@@ -10,8 +10,6 @@ from parts.csrc import copy_in
 
 from .layout import GroupLayout, chunk_ranges
 
-SHARDED_GRAD_DTYPE = torch.float32
-
 
 class FlatGroup:
     """Flat model-dtype buffer (params are views of it), fp32 grad buffer, fp32 master partition."""
