@@ -218,7 +218,7 @@ def _io_sum(records: list[dict], key: str = "io") -> StoreStats:
 
 
 def report(args, store, raws, rows, world, loads, wall) -> None:
-    """Print the raw bandwidth, the per-rank table and the verdict against the issue's targets."""
+    """Print the raw bandwidth, the per-rank table and the achieved share of the disk's raw bandwidth."""
     layers, width, heads = PRESETS[args.params]
     psi = count_params(GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=layers,
                                  n_head=heads, n_embd=width))

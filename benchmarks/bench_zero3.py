@@ -12,7 +12,7 @@ per rank, and the final loss (all systems must agree), then the hooks' host over
 the wall time, each step's CPU time of rank 0's process (all its threads, ``time.process_time``):
 on a machine shared with other jobs wall time swings with their load, CPU time much less.
 
-``--dtype bf16`` (issue 15's anchor): DDP in fp32 is the reference loss; FSDP2 with bf16
+``--dtype bf16``: DDP in fp32 is the reference loss; FSDP2 with bf16
 params and fp32 reduce (``MixedPrecisionPolicy``) and parts with ``MixedPrecision()`` (fp32
 shards gathered as bf16, grads summed in fp32) train the same model on Python text
 from the standard library (recipes/chardata.py: random tokens would hide the precision gap)
@@ -42,9 +42,9 @@ from record import record  # noqa: E402
 
 SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean", "parts_defaults")
 MODELS = {"25m": dict(n_layer=8, n_embd=512, n_head=8, seq=128),  # ../shared/LESSONS.md's 25.4M GPT
-          "small": dict(n_layer=32, n_embd=64, n_head=4, seq=64)}  # issue 17: small and deep, 1.6M
+          "small": dict(n_layer=32, n_embd=64, n_head=4, seq=64)}  # small and deep, 1.6M
 BF16_SYSTEMS = ("ddp", "fsdp2_bf16", "parts_bf16", "parts_lean_bf16")
-ANCHOR_ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)  # issue 15's anchor
+ANCHOR_ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)  # the bf16 comparison's optimizer
 
 
 def build_ddp(config):
@@ -170,7 +170,7 @@ def _worker(rank, world_size, port, system, config, args, results):
                                cpu=statistics.median(cpu_times[2:] or cpu_times), peak_rss=peak_rss,
                                loss=loss.item() / world_size, stats=stats)
     # DDP (the anchor) holds its group strongly from inside reference cycles: freed here, so
-    # destroy_process_group joins gloo's workers before interpreter teardown (issue 21 row 3)
+    # destroy_process_group joins gloo's workers before interpreter teardown
     del model, optimizer, coordinator
     gc.collect()
     dist.destroy_process_group()

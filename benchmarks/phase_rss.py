@@ -6,7 +6,7 @@ Each system trains bench_zero3's bf16 anchor model (the 25.4M GPT, world 2, same
 data and mmap threshold) in fresh processes; before each phase the kernel's peak-RSS mark
 (VmHWM) is reset (``/proc/self/clear_refs``, Linux), so each phase reports its own peak and
 its end, in MiB over the process's RSS before the model was built. Where a system's peak
-RSS comes from, phase by phase (issue 15). Linux only.
+RSS comes from, phase by phase. Linux only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where does bf16 training lose its distance to fp32? One small experiment per hypothesis (issue 15).
+"""Where does bf16 training lose its distance to fp32? One small experiment per hypothesis.
 
 One process, plain torch (no sharding: each variant changes one numeric choice of the
 bf16 recipe and nothing else), the recipes' GPT, 2 micro-batches per step, AdamW on fp32

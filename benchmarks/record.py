@@ -55,5 +55,5 @@ def record(bench: str, results: dict[str, Any], *, command: Optional[str] = None
     out = (directory or RESULTS_DIR) / f"{bench}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
+        f.write(json.dumps(row) + "\n")  # key order kept: it is the column order
     return out

@@ -4,9 +4,11 @@ Every benchmark appends one line per run to ``benchmarks/results/<bench>.jsonl``
 ``record.py``. This script takes the latest run of each benchmark and prints its table with
 the machine, the torch version and the exact command that produced it, so that every number
 in ``RESULTS.md`` is a command's output and can be reproduced by running that command again.
+It also copies the headline table (``README_BENCH``) into README.md, between the
+``<!-- results -->`` and ``<!-- /results -->`` lines, so the front page quotes the same run.
 
-    python benchmarks/render_results.py            # writes benchmarks/RESULTS.md
-    python benchmarks/render_results.py --check    # exits 1 if RESULTS.md is out of date
+    python benchmarks/render_results.py            # writes benchmarks/RESULTS.md and README's table
+    python benchmarks/render_results.py --check    # exits 1 if either is out of date
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 OUTPUT = HERE / "RESULTS.md"
+README = HERE.parent / "README.md"
+README_BENCH = "bench_zero3"
+README_COLUMNS = ("system", "step_s", "vs_DDP", "vs_FSDP2", "cpu_vs_DDP", "peak_rss_MiB", "final_loss",
+                  "traffic_per_step")
+BEGIN, END = "<!-- results -->", "<!-- /results -->"
 
 # Benchmarks in reading order; any other file in results/ follows, sorted by name.
 ORDER = ("bench_zero3", "bench_zero3_bf16", "bench_zero3_small", "bench_overlap_prefetch",
@@ -91,22 +98,35 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(body).rstrip() + "\n"
 
 
+def with_readme_table(readme: str, runs: dict[str, dict[str, Any]]) -> str:
+    """``readme`` with the text between its results markers replaced by the headline table."""
+    if README_BENCH not in runs or BEGIN not in readme or END not in readme:
+        return readme
+    rows = [{c: row.get(c, "") for c in README_COLUMNS} for row in runs[README_BENCH]["results"].get("rows", [])]
+    head, rest = readme.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    return f"{head}{BEGIN}\n{table(rows)}\n{END}{tail}"
+
+
 def main() -> int:
-    """Write RESULTS.md (or, with ``--check``, report whether it is current)."""
+    """Write RESULTS.md and README's table (or, with ``--check``, report whether they are current)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md differs")
+    parser.add_argument("--check", action="store_true", help="exit 1 if RESULTS.md or README's table differs")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     parser.add_argument("--output", type=Path, default=OUTPUT)
+    parser.add_argument("--readme", type=Path, default=README)
     args = parser.parse_args()
-    text = render(latest_runs(args.results))
+    runs = latest_runs(args.results)
+    readme = args.readme.read_text() if args.readme.exists() else ""
+    wanted = {args.output: render(runs), args.readme: with_readme_table(readme, runs)}
+    stale = [path for path, text in wanted.items() if (path.read_text() if path.exists() else "") != text]
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is out of date: run python benchmarks/render_results.py", file=sys.stderr)
-            return 1
-        return 0
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
+        for path in stale:
+            print(f"{path} is out of date: run python benchmarks/render_results.py", file=sys.stderr)
+        return 1 if stale else 0
+    for path in stale:
+        path.write_text(wanted[path])
+        print(f"wrote {path}")
     return 0
 
 

@@ -9,8 +9,11 @@ temporary directory, so that a block a reader copies works as it stands.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +86,32 @@ def test_block_runs(page: str, line: int, source: str, tmp_path: Path) -> None:
         assert run(world, _exec_on_rank, source, name, str(tmp_path), timeout=120.0) == [True] * world
     else:
         _exec(source, name, str(tmp_path))
+
+
+def _render(*args: str) -> subprocess.CompletedProcess:
+    script = ROOT / "benchmarks" / "render_results.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_results_md_and_the_readme_table_are_rendered_from_the_recorded_runs() -> None:
+    done = _render("--check")
+    assert done.returncode == 0, done.stderr
+
+
+def test_render_writes_each_bench_latest_run_with_its_command_and_machine(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    run_of = {"bench": "bench_zero3", "machine": {"cpu": "CPU X", "cores": 2}, "torch": "2.13.0",
+              "command": "python benchmarks/bench_zero3.py --rounds 1",
+              "results": {"rows": [{"system": "ddp", "step_s": 1.5}, {"system": "parts", "step_s": 1.25}]}}
+    older = {**run_of, "results": {"rows": [{"system": "ddp", "step_s": 9.0}]}}
+    (results / "bench_zero3.jsonl").write_text(json.dumps(older) + "\n" + json.dumps(run_of) + "\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results -->\nold\n<!-- /results -->\nend\n")
+    out = tmp_path / "RESULTS.md"
+    assert _render("--results", str(results), "--output", str(out), "--readme", str(readme)).returncode == 0
+    text = out.read_text()
+    assert "`python benchmarks/bench_zero3.py --rounds 1`" in text and "CPU X, 2 cores" in text
+    assert "| parts | 1.25 |" in text and "9.0" not in text
+    assert "| parts | 1.25 |" in readme.read_text() and "old" not in readme.read_text()
+    assert _render("--check", "--results", str(results), "--output", str(out), "--readme", str(readme)).returncode == 0
