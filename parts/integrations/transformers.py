@@ -172,3 +172,11 @@ class Trainer(PartsTrainerMixin, transformers.Trainer):
 
 class Seq2SeqTrainer(PartsTrainerMixin, transformers.Seq2SeqTrainer):
     """``transformers.Seq2SeqTrainer`` (``predict_with_generate``) for a model sharded by ``parts.partition``."""
+
+    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
+                        ignore_keys: Optional[list] = None, **gen_kwargs: Any) -> tuple:
+        """Generate with ``synced_gpus``: every rank runs a forward (its gathers) until all are done."""
+        if not gen_kwargs and hasattr(self, "_gen_kwargs"):
+            gen_kwargs = self._gen_kwargs.copy()
+        gen_kwargs.setdefault("synced_gpus", self.args.world_size > 1)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
