@@ -42,8 +42,6 @@ from parts.partition.core.grads import accumulate_into
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, memory_versions, wanted_dtype,
                                         watch_shards)
 
-__all__ = ["CURRENT", "REFILL", "INSTALL", "FALLBACK", "FlatGather", "FlatReduce", "offsets_of"]
-
 CURRENT, REFILL, INSTALL, FALLBACK = "current", "refill", "install", "fallback"
 _AVAILABLE = ParamStatus.AVAILABLE
 
@@ -79,6 +77,9 @@ class FlatGather:
         self.records: list[ParamMeta] = [table.records[pid] for pid in self.pids]
         self.full: Optional[torch.Tensor] = None
         self._scratch: Optional[torch.Tensor] = None
+        self._outs: list[torch.Tensor] = []  # the buffer's rows per parameter (set by _allocate)
+        self._views: list[torch.Tensor] = []  # each parameter's full view of the buffer
+        self.ptrs: list[int] = []
         self.broken = not self.pids
         if self.broken:
             return
@@ -173,6 +174,15 @@ class FlatReduce:
         self.reduce_dtype = reduce_dtype
         self._flags: Optional[tuple] = None
         self._grads: list[torch.Tensor] = []
+        self.params: list[nn.Parameter] = []  # the members (requiring grad) and what follows of them
+        self.records: list[ParamMeta] = []
+        self.pids: list[int] = []
+        self.index: dict[int, int] = {}
+        self.grad_shards: Optional[torch.Tensor] = None
+        self.shard_grads: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+        self.even: list[bool] = []
+        self.same_dtype = True
         self.follow()
 
     def follow(self) -> bool:
@@ -187,8 +197,7 @@ class FlatReduce:
         self.records = [flat.records[k] for k in keep]
         self.pids = [flat.pids[k] for k in keep]
         self.index = {id(p): k for k, p in enumerate(self.params)}
-        self.grad_shards: Optional[torch.Tensor] = None
-        self.shard_grads: list[torch.Tensor] = []
+        self.grad_shards, self.shard_grads = None, []
         self.sizes = [m.layout.shard_numel for m in self.records]
         self.even = [m.numel == m.world_size * s for m, s in zip(self.records, self.sizes)]  # no padding
         self.same_dtype = all(m.shard.dtype == self.reduce_dtype for m in self.records)
