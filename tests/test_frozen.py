@@ -13,7 +13,10 @@ from harness import run
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-STEPS, ROWS, SEQ, VOCAB = 3, 2, 8, 97
+# 3200 x 32 embeddings (and Llama's lm_head) are over the default persistence threshold (100_000
+# elements): they are gathered per use and reduce-scattered one by one, every other param of these
+# tiny models is persistent (gathered for good, its grads reduce-scattered in one flat collective)
+STEPS, ROWS, SEQ, VOCAB = 3, 2, 8, 3200
 # Plain torch sums each grad over the whole batch in one op; the sharded model sums each rank's
 # half and then the halves: fp32 rounding differs in the last bits, the losses stay within 1e-6.
 TOL = dict(rtol=0, atol=1e-6)
@@ -206,3 +209,30 @@ def test_frozen_layer_world_3():
     for out in run(3, _frozen_case, "llama", "layer", timeout=120):
         torch.testing.assert_close(out["losses"], out["plain"], rtol=1e-6, atol=0)
         assert out["reduced"] == [out["trainable_bytes"]] * STEPS
+
+
+def _disagree_case(what: str) -> str:
+    import torch.distributed as dist
+    from parts.partition import RankDivergence, attach, partition_module
+    torch.manual_seed(0)
+    model = partition_module(_llama())
+    co = attach(model, debug=True)
+    if dist.get_rank() == 1:
+        _freeze(model, what)
+    x = _batches(dist.get_world_size())[0][:ROWS]
+    try:
+        model(input_ids=x, labels=x).loss.backward()
+    except RankDivergence as err:
+        return str(err)
+    finally:
+        co.detach()
+    return "no error"
+
+
+def test_debug_names_a_parameter_frozen_on_one_rank_only():
+    # frozen on rank 1 only, a persistent norm (the one flat reduce-scatter would differ in size)
+    # or the embedding (reduce-scattered on its own): debug raises on every rank before the
+    # collective, naming the parameter
+    for what, name in (("norm", "model.norm.weight"), ("embed", "model.embed_tokens.weight")):
+        for message in run(2, _disagree_case, what, timeout=60):
+            assert f"'{name}' on rank(s) [0] only" in message and "requires_grad" in message

@@ -76,7 +76,8 @@ class _Pieces:
                  precision: Optional[MixedPrecision], sync_buffers: bool) -> None:
         self.counters = StepCounters()
         self.table = ParamTable(module, knobs)
-        self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group))
+        self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group),
+                               self.table.param_names)
         self.live = LiveSet(self.table, knobs, group, self.counters)
         self.prefetcher = Prefetcher(self.table, self.live, knobs, self.check, self.counters)
         reduce_dtype = precision.reduce_dtype if precision else torch.float32

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 from parts.comm import GroupArg, WeakGroup, all_gather, group_info
 from parts.partition.coordinator.step import StepState
 
 __all__ = ["RankDivergence", "DebugPoint", "encode", "decode", "divergence_message", "ids_digest",
-           "exchange", "check_point", "StepCheck"]
+           "exchange", "check_point", "differing_grads", "StepCheck"]
 
 KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end", "outside")
 _PHASE_WORDS = 3  # the phase name travels as 24 UTF-8 bytes (longer names are cut)
@@ -118,8 +118,8 @@ def divergence_message(points: Sequence[DebugPoint], names: Sequence[str]) -> st
                 "skip a batch on every rank or none, and give every rank as many batches.")
     return (head + f"ranks diverged at event {min(p.seq for p in points)}: " + "; ".join(lines)
             + ". All ranks must run the same submodules in the same order and phase (every fetch "
-            "is a collective); make data-dependent branches and train/eval switches agree across "
-            "ranks.")
+            "is a collective); make data-dependent branches, train/eval switches and requires_grad "
+            "(a frozen module runs no backward) agree across ranks.")
 
 
 def exchange(values: Sequence[int], group: GroupArg) -> list[list[int]]:
@@ -131,12 +131,31 @@ def exchange(values: Sequence[int], group: GroupArg) -> list[list[int]]:
     return out.view(info.world_size, -1).tolist()
 
 
-def check_point(point: DebugPoint, names: Sequence[str], group: GroupArg) -> None:
-    """Raise ``RankDivergence`` on every rank unless all ranks of ``group`` are at ``point``."""
+def check_point(point: DebugPoint, names: Sequence[str], group: GroupArg, ids: Sequence[int] = (),
+                param_names: Optional[Mapping[int, str]] = None) -> None:
+    """Raise ``RankDivergence`` on every rank unless all ranks of ``group`` are at ``point``; ranks
+    reducing different grads at the same reduce-scatter exchange their ``ids`` to name them."""
     rows = exchange(encode(point), group)
     if all(row == rows[0] for row in rows):
         return
-    raise RankDivergence(divergence_message([decode(row) for row in rows], names))
+    points = [decode(row) for row in rows]
+    message = divergence_message(points, names)
+    if param_names is not None and _same_place(points) and points[0].kind == "reduce":
+        width = max(p.count for p in points)  # every rank sees the same rows: all exchange again
+        sets = [set(row) - {-1} for row in exchange(list(ids) + [-1] * (width - len(ids)), group)]
+        message += differing_grads(sets, param_names)
+    raise RankDivergence(message)
+
+
+def differing_grads(sets: Sequence[set], param_names: Mapping[int, str], limit: int = 5) -> str:
+    """The parameters some ranks reduce a grad of and others do not (``sets``: ids per rank)."""
+    every = set.intersection(*sets)
+    odd = sorted(set.union(*sets) - every, key=lambda pid: param_names.get(pid, str(pid)))
+    parts = [f"'{param_names.get(pid, pid)}' on rank(s) {[r for r, s in enumerate(sets) if pid in s]} only"
+             for pid in odd[:limit]]
+    more = f" and {len(odd) - limit} more" if len(odd) > limit else ""
+    return (f" The ranks reduce grads of different parameters: {', '.join(parts)}{more}. Set "
+            "requires_grad alike on every rank, and use the same parameters in every rank's forward.")
 
 
 class StepCheck:
@@ -148,8 +167,10 @@ class StepCheck:
 
     group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
 
-    def __init__(self, enabled: bool, names: Sequence[str], group: GroupArg) -> None:
+    def __init__(self, enabled: bool, names: Sequence[str], group: GroupArg,
+                 param_names: Optional[Mapping[int, str]] = None) -> None:
         self.enabled, self.names, self.group = enabled, names, group
+        self.param_names = param_names  # stable id -> name: a differing reduce-scatter names them
 
     def point(self, step: Optional[StepState], kind: str, module: int = -1, ids: Iterable[int] = (),
               digest: Optional[int] = None) -> None:
@@ -162,7 +183,7 @@ class StepCheck:
         point = DebugPoint(step.phase, step.number, step.seq, kind, module, len(ids),
                            ids_digest(ids) if digest is None else digest)
         step.seq += 1
-        check_point(point, self.names, self.group)
+        check_point(point, self.names, self.group, ids, self.param_names)
 
     def outside(self, what: str, steps: int, train_steps: int) -> None:
         """Agree on a collective outside any step (a state dict, an optimizer step, detach) and on

@@ -42,6 +42,9 @@ class ParamTable:
                     self.sets[index].append(pid)
                 self.params[pid] = p
         self.records: dict[int, ParamMeta] = {pid: meta(p) for pid, p in self.params.items()}
+        self.param_names: dict[int, str] = {}  # stable id -> its first name (a tied weight: the first)
+        for name, p in module.named_parameters():
+            self.param_names.setdefault(meta(p).id, name)
         self.sizes: dict[int, int] = {pid: m.numel for pid, m in self.records.items()}
         self._choose_units(min(knobs.fetch_unit_size, knobs.max_live_parameters))
         self._pids = {id(p): pid for pid, p in self.params.items()}
