@@ -135,6 +135,25 @@ def test_model_states_and_traffic_equal_the_zero_formulas_at_world_1024() -> Non
     assert mixed.allgather_bytes == plan.allgather_bytes // 2 and mixed.model_state_bytes == plan.model_state_bytes
 
 
+def test_mixed_precision_dry_run_equals_estimate_with_bf16_gathers() -> None:
+    from parts.partition import MixedPrecision
+
+    build, knobs = _builder(40, 16, (24,)), {"persistence_threshold": 300, "fetch_unit_size": 0}
+    with torch.device("meta"):
+        shape = shape_of(build())
+    measured = dry_run(build, 8, step=_step, mixed_precision=MixedPrecision(), **knobs)
+    assert _fields(estimate(shape, 8, Knobs(**knobs), Widths(compute=2))) == _fields(measured)
+
+
+def test_attach_of_a_meta_model_names_partitioned_meta() -> None:
+    from parts.partition import attach, partitioned
+
+    with partitioned(), torch.device("meta"):  # a placeholder build, as from_pretrained makes
+        model = Net(10, 4, ())
+    with pytest.raises(ValueError, match=r"'embed.weight'.*partitioned\(device='meta'\)"):
+        attach(model)
+
+
 def _measure_real(vocab: int, width: int, hiddens: tuple, knobs: dict) -> dict:
     from parts.partition import attach, partitioned
 

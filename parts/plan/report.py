@@ -17,12 +17,16 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 
 
-def memory_rows(plan: Plan) -> list[tuple[str, int]]:
-    """(what, bytes per rank) of the plan, activations excluded."""
-    return [("parameter shards", plan.param_bytes), ("gradient shards", plan.grad_bytes),
-            ("optimizer state", plan.optimizer_bytes), ("small parameters kept gathered", plan.persistent_bytes),
-            ("full parameters gathered at once (peak)", plan.gathered_peak_bytes),
-            ("total (no activations)", plan.peak_bytes)]
+def memory_rows(plan: Plan) -> list[tuple[str, int, int, int]]:
+    """(what, bytes per rank in memory, with optimizer state on disk, with shards on disk too),
+    activations excluded: ``OffloadedOptimizer`` moves the state, a ``DiskStore`` the shards."""
+    rows = [("parameter shards", plan.param_bytes, plan.param_bytes, 0),
+            ("gradient shards", plan.grad_bytes, plan.grad_bytes, plan.grad_bytes),
+            ("optimizer state", plan.optimizer_bytes, 0, 0),
+            ("small parameters kept gathered", plan.persistent_bytes, plan.persistent_bytes, plan.persistent_bytes),
+            ("full parameters gathered at once (peak)", plan.gathered_peak_bytes, plan.gathered_peak_bytes,
+             plan.gathered_peak_bytes)]
+    return rows + [("total (no activations)", *(sum(r[k] for r in rows) for k in (1, 2, 3)))]
 
 
 def traffic_rows(plan: Plan, ranks_per_node: int) -> list[tuple[str, int, int]]:
@@ -57,9 +61,9 @@ def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, l
     w, k = plan.world_size, max(1, min(ranks_per_node, plan.world_size))
     print(f"{title}: {plan.params / 1e9:,.3f} B parameters, world {w} "
           f"({-(-w // k)} nodes x {k} ranks), parts full sharding", file=out)
-    print("\nmemory per rank          |", file=out)
-    for what, nbytes in memory_rows(plan):
-        print(f"  {what:<40} {_gib(nbytes):>14}", file=out)
+    print(f"\n{'memory per rank':<42} {'in memory':>14} {'optim on disk':>14} {'+ shards on disk':>16}", file=out)
+    for what, *sizes in memory_rows(plan):
+        print(f"  {what:<40} " + " ".join(f"{_gib(n):>14}" for n in sizes), file=out)
     print("\ntraffic per rank and step   inside node   between nodes", file=out)
     for what, inside, between in traffic_rows(plan, k):
         print(f"  {what:<24} {_gb(inside):>12} {_gb(between):>14}", file=out)

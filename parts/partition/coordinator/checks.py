@@ -20,6 +20,11 @@ def check_sharded(module: nn.Module, attached: Any) -> None:
         raise RuntimeError(f"attach: {type(module).__name__} already has a FetchCoordinator; "
                            "call its detach() first")
     for name, p in module.named_parameters():
+        if not is_partitioned(p) and p.is_meta:
+            raise ValueError(f"attach: parameter '{name}' {tuple(p.shape)} is on the meta device and not "
+                             "sharded; to plan without data build it inside "
+                             "`parts.partition.partitioned(device='meta')` (then materialize(model) for "
+                             "real values), or load its weights first")
         if not is_partitioned(p):
             raise ValueError(f"attach: parameter '{name}' {tuple(p.shape)} is not sharded; shard the "
                              "model first with parts.partition.partition_module(model) or build "
