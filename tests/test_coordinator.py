@@ -88,9 +88,9 @@ def _communication(persistence_threshold: int) -> dict:
     for step in range(4):
         before = comm_counter.snapshot()
         model(*batch(step, PER_RANK, rank * PER_RANK)).backward()
-        after = comm_counter.snapshot()
-        opt.step()
+        opt.step()  # (the persistent params are gathered again right after it)
         opt.zero_grad()
+        after = comm_counter.snapshot()
         out["steps"].append((coordinator.stats(), after["allgather_bytes"] - before["allgather_bytes"],
                              after["reduce_scatter_bytes"] - before["reduce_scatter_bytes"]))
     # evaluation: no optimizer step between eval steps, persistent params stay gathered
@@ -139,8 +139,8 @@ def test_persistent_params_are_gathered_once_per_update():
         assert out["persistent"] > 0 and pers > 0
         for stats, core_ag_bytes, _ in out["steps"][1:]:
             # training: persistent params stay gathered, but the optimizer changed their
-            # shards, so they are gathered again once per step, at its start, in one
-            # collective; the others twice
+            # shards, so they are gathered again once per step, right after the optimizer
+            # step, in one collective; the others twice
             assert stats.allgather_bytes == 2 * normal + pers
             assert stats.persistent_gathers == out["persistent"]
             assert stats.reduce_scatter_bytes == total
