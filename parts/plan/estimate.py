@@ -202,4 +202,4 @@ def estimate(shape: ModelShape, world_size: int, knobs: Optional[Knobs] = None,
                 gathered_peak_bytes=state.high * widths.compute,
                 allgather_bytes=state.gathered,
                 reduce_scatter_bytes=sum((world_size - 1) * shard[pid] * widths.reduce for pid in trained),
-                all_reduce_bytes=0, allgather_calls=0, reduce_scatter_calls=0)
+                all_reduce_bytes=0)

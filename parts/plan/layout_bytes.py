@@ -8,8 +8,8 @@ collective's bytes between the links inside and between nodes.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
 
 GIB = 1 << 30
 
@@ -23,7 +23,8 @@ class Plan:
     copies of small parameters kept gathered. ``gathered_peak_bytes``: most full parameters
     gathered at once besides those. ``allgather_bytes`` / ``reduce_scatter_bytes`` /
     ``all_reduce_bytes``: what this rank receives (all-gather) or sends (reduce-scatter) per
-    step, by ``parts.comm.counter``'s convention.
+    step, by ``parts.comm.counter``'s convention. Collective counts come from runs only (they
+    depend on prefetch chunking) and take no part in comparing two plans.
     """
 
     world_size: int
@@ -36,8 +37,8 @@ class Plan:
     allgather_bytes: int
     reduce_scatter_bytes: int
     all_reduce_bytes: int
-    allgather_calls: int
-    reduce_scatter_calls: int
+    allgather_calls: Optional[int] = field(default=None, compare=False)  # runs only: None from estimate
+    reduce_scatter_calls: Optional[int] = field(default=None, compare=False)
 
     @property
     def model_state_bytes(self) -> int:
