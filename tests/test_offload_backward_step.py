@@ -135,7 +135,7 @@ def test_step_in_backward_refusals(tmp_path):
     errors = run(1, body_refusals, str(tmp_path))[0]
     assert len(errors) == 2
     assert "landed twice before step()" in errors[0]
-    assert "call step() first" in errors[1]
+    assert "call step() (or zero_grad() to discard them) first" in errors[1]
 
 
 def body_bf16_refused(tmp):

@@ -14,6 +14,7 @@ A grad replicated over dp (not sharded) counts on dp rank 0 only.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Iterable
 
@@ -21,7 +22,6 @@ import torch
 
 from parts.comm.collectives import ReduceOp, all_reduce
 from parts.comm.group import GroupInfo
-
 
 
 def counts(p: torch.Tensor, tp_rank: int, dp_rank: int, dp_replicated: bool) -> bool:
@@ -36,15 +36,17 @@ def _plain(g: torch.Tensor) -> torch.Tensor:
     return g.as_subclass(torch.Tensor) if type(g) is not torch.Tensor else g
 
 
-def global_norm(grads: Iterable[torch.Tensor], info: GroupInfo, norm_type: float = 2.0) -> torch.Tensor:
-    """The ``norm_type`` norm over the counted ``grads`` of every rank of ``info`` (fp32, CPU)."""
+def global_norm(grads: Iterable[torch.Tensor], info: GroupInfo, norm_type: float = 2.0,
+                norms: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+    """The ``norm_type`` norm over the counted ``grads`` of every rank of ``info`` (fp32, CPU);
+    ``norms``: the ``norm_type`` norms of counted grads that are gone (stepped already)."""
     if norm_type <= 0:
         raise ValueError(f"global_norm: norm_type must be > 0, got {norm_type}")
     local = torch.zeros((), dtype=torch.float32)
-    for g in grads:
-        if g is None or g.numel() == 0:
-            continue
-        n = torch.linalg.vector_norm(_plain(g).float(), norm_type).cpu()
+    computed = (torch.linalg.vector_norm(_plain(g).float(), norm_type)
+                for g in grads if g is not None and g.numel() > 0)
+    for n in itertools.chain(computed, norms):
+        n = n.cpu()
         local = torch.maximum(local, n) if math.isinf(norm_type) else local + n.pow(norm_type)
     if math.isinf(norm_type):
         return all_reduce(local, info, ReduceOp.MAX)

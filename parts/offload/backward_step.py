@@ -29,37 +29,76 @@ forward the landed stage is empty and the kept shards take its place: three ``m`
 time, the three chunks of ``memory_bound``. Bitwise: a parameter's update depends only on
 its own grad and state, so stepping it alone or in a chunk gives the same bits; the grad is
 the same sum (a stored grad of earlier micro-batches plus the landed one, in that order).
+
+A transaction: each parameter is written under staged keys (its old value and state stay in
+the store) and its small in-memory state is snapshot before its step; ``finish`` says whether
+every landed grad was finite, and the optimizer then ``commit``s (renames, no bytes move) or
+``roll_back``s (staged keys deleted, snapshots restored, loaded values emptied), which an
+exception during the backward also does before it propagates. The norms of each landed grad
+(orders 1, 2 and inf) stay on its parked record (``consumed``) until ``zero_grad``, for a
+global grad norm to count grads that no longer exist. The optimizer is seen through
+``Steppable``: the narrow interface ``OffloadedOptimizer`` gives this module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from functools import partial
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
 from parts.offload import parking
 from parts.offload._batch import Batch, discard
+from parts.offload.spares import Spares
 
-if TYPE_CHECKING:
-    from parts.offload.optimizer import OffloadedOptimizer
+__all__ = ["BackwardStep", "Steppable", "NORM_TYPES"]
 
-__all__ = ["BackwardStep"]
+NORM_TYPES = (1.0, 2.0, math.inf)
+"""The norm orders recorded for each grad a step during backward consumes."""
+
+
+class Steppable(Protocol):
+    """What ``BackwardStep`` needs of its optimizer (``OffloadedOptimizer`` gives it)."""
+
+    spares: Spares
+    after_step: list[Callable[[list[torch.Tensor]], None]]
+
+    @property
+    def params(self) -> list[torch.Tensor]: ...
+    def index_of(self, p: torch.Tensor) -> int: ...
+    def io_bytes(self, p: torch.Tensor) -> int: ...
+    def start_reads(self, params: list[torch.Tensor]) -> Batch: ...
+    def step_params(self, params: list[torch.Tensor]) -> None: ...
+    def stage(self, p: torch.Tensor) -> Any: ...
+    def start_staged_writes(self, params: list[torch.Tensor]) -> Batch: ...
+    def commit(self, params: list[torch.Tensor]) -> None: ...
+    def roll_back(self, p: torch.Tensor, snapshot: Any) -> None: ...
+
+
+def grad_norms(grad: torch.Tensor) -> dict[float, torch.Tensor]:
+    """The norms of ``grad`` a global grad norm adds up (fp32, as ``parts.comm.norm`` computes them)."""
+    g = grad.detach().float()
+    return {n: torch.linalg.vector_norm(g, n) for n in NORM_TYPES}
 
 
 class BackwardStep:
     """Reads ahead, landed grads and writes in flight of one optimizer's step during backward."""
 
-    def __init__(self, optimizer: "OffloadedOptimizer", window_bytes: int) -> None:
+    def __init__(self, optimizer: Steppable, window_bytes: int) -> None:
         self.opt, self.window_bytes = optimizer, int(window_bytes)
         self.order: list[int] = []  # parameter indices in the order their grads landed last time
         self.landed: list[int] = []  # this backward's landings so far
         self.stepped: set[int] = set()  # stepped since the last ``finish``
+        self.open = False  # a session began and its step was neither committed nor rolled back
         self._reads: dict[int, tuple[Batch, int]] = {}  # index -> (reads started, their bytes)
-        self._grads: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}  # index -> (landed, stored sum)
+        # index -> (landed grad, stored sum of earlier micro-batches or None, the handle of its read)
+        self._grads: dict[int, tuple[torch.Tensor, Optional[torch.Tensor], Any]] = {}
         self._writes: deque[tuple[Batch, int]] = deque()  # (writes in flight, bytes), oldest first
+        self._snapshots: dict[int, Any] = {}  # index -> what its staged step changed in memory
+        self._norms: dict[int, dict[float, torch.Tensor]] = {}  # index -> its consumed grad's norms
         self._cursor = 0  # position in ``order`` up to which reads were started
         self._tail: set[int] = set()  # the last landings: first used by the next forward
         self._kept: list[torch.Tensor] = []  # their shards, left loaded after their writes
@@ -68,14 +107,25 @@ class BackwardStep:
     # ------------------------------------------------------------- during backward
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        """``OffloadedOptimizer.step_in_backward``: grads of parked parameters land in ``land``."""
+        """``OffloadedOptimizer.step_in_backward``: grads of parked parameters land in ``land``; an
+        exception inside rolls the step back before it propagates."""
+        if self.open and self.landed:
+            raise RuntimeError("OffloadedOptimizer.step_in_backward: the grads of the last backward "
+                               "inside it were stepped but not committed; call step() (or zero_grad() "
+                               "to discard that step) before the next backward")
         records = self._grad_records()
+        if not self.open:
+            self.forget_norms()
+        self.open = True
         for p, record in records:
             record.on_grad = partial(self.land, p)
         try:
             with torch.no_grad():
                 self.read_ahead()
             yield
+        except BaseException:
+            self.roll_back()
+            raise
         finally:
             for _, record in records:
                 record.on_grad = None
@@ -83,7 +133,7 @@ class BackwardStep:
     def _grad_records(self) -> list[tuple[torch.Tensor, parking.Parked]]:
         """(parameter, the record its grads land in) of every parked parameter; raises for masters."""
         out = []
-        for i, p in enumerate(self.opt._params):
+        for i, p in enumerate(self.opt.params):
             record = parking.parked(p)
             if record is None:
                 continue
@@ -98,27 +148,51 @@ class BackwardStep:
     @torch.no_grad()
     def land(self, p: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
         """``p``'s reduce-scattered grad shard arrived: keep it, read ``p`` and step what is ready."""
-        i = self.opt._index[id(p)]
+        i = self.opt.index_of(p)
         if i in self.stepped or i in self._grads:
             raise RuntimeError(f"OffloadedOptimizer.step_in_backward: the grad of parameter {i} "
                                f"(shape {tuple(p.shape)}) landed twice before step(); call step() "
                                f"after each backward inside step_in_backward()")
         if not self.landed:
             self.drop_kept()  # the last step's, which this backward's forward has used
-        cost = self.opt._cost(p)
+        cost = self.opt.io_bytes(p)
         self._start(i)
         self.landed.append(i)
         self.ahead_bytes -= cost
         self.landed_bytes += cost
-        stored = None
+        stored, handle = None, None
         if accumulate and parking.has_grad(p):  # earlier micro-batches' sum, in the store
             stored, handle = parking.load_grad(p, self.opt.spares.empty)
             self._reads[i][0].handles.append(handle)
-        self._grads[i] = (grad, stored)
+        self._grads[i] = (grad, stored, handle)
+        parking.parked(p).consumed = partial(self.norms_of, i)
         while self.landed_bytes > self.window_bytes:
             self._step(self._landed_params(1))  # the oldest landed, waiting for its reads
         self.read_ahead()
         self.drain(block=False)
+
+    def norms_of(self, i: int) -> dict[float, torch.Tensor]:
+        """The norms of parameter ``i``'s consumed grad (landed, earlier micro-batches' sum added)."""
+        if i not in self._norms:
+            self._norms[i] = grad_norms(self._summed(i))
+        return self._norms[i]
+
+    def _summed(self, i: int) -> torch.Tensor:
+        """Landed grad ``i`` with the stored sum of earlier micro-batches added (its read waited)."""
+        grad, stored, handle = self._grads[i]
+        if stored is not None:
+            handle.wait()
+            grad = stored.add_(grad.detach().reshape(stored.shape))
+            self._grads[i] = (grad, None, None)
+        return grad
+
+    def forget_norms(self) -> None:
+        """Forget the consumed grads' norms (``zero_grad``, or a new step's first backward)."""
+        for i in self._norms:
+            record = parking.parked(self.opt.params[i])
+            if record is not None:
+                record.consumed = None
+        self._norms = {}
 
     def read_ahead(self) -> None:
         """Start the reads of the parameters expected next, up to ``window_bytes`` ahead (one at least)."""
@@ -126,7 +200,7 @@ class BackwardStep:
         while self._cursor < len(self.order):
             i = self.order[self._cursor]
             if i not in self._reads and i not in self.stepped:
-                if self.ahead_bytes and self.ahead_bytes + self.opt._cost(self.opt._params[i]) > self.window_bytes:
+                if self.ahead_bytes and self.ahead_bytes + self.opt.io_bytes(self.opt.params[i]) > self.window_bytes:
                     return
                 self._start(i)
             self._cursor += 1
@@ -135,16 +209,16 @@ class BackwardStep:
         """Start reading parameter ``i``'s state and parked value (held loaded till written)."""
         if i in self._reads:
             return
-        p = self.opt._params[i]
+        p = self.opt.params[i]
         if parking.parked(p) is not None:
             parking.hold(p)
-        self._reads[i] = self.opt._read([p], grads=False), self.opt._cost(p)
+        self._reads[i] = self.opt.start_reads([p]), self.opt.io_bytes(p)
         self.ahead_bytes += self._reads[i][1]
 
     def _landed_params(self, limit: Optional[int] = None) -> list[torch.Tensor]:
         """The landed parameters not yet stepped, oldest first (at most ``limit``)."""
         waiting = self.landed[len(self.stepped):]
-        return [self.opt._params[i] for i in waiting[:limit]]
+        return [self.opt.params[i] for i in waiting[:limit]]
 
     def drain(self, block: bool) -> None:
         """Step the landed parameters whose reads are done once they make a quarter window (all of
@@ -152,7 +226,7 @@ class BackwardStep:
         chunk, ready = [], 0
         for i in self.landed[len(self.stepped):]:
             batch, cost = self._reads[i]
-            p = self.opt._params[i]
+            p = self.opt.params[i]
             if not (block or (batch.done and parking.ready(p))):
                 break
             chunk.append(p)
@@ -163,38 +237,37 @@ class BackwardStep:
         self._reap(0, block=False)
 
     def _step(self, chunk: list[torch.Tensor]) -> None:
-        """Install the chunk's reads and grads, step it, start its writes."""
-        ids = [self.opt._index[id(p)] for p in chunk]
+        """Install the chunk's reads and grads, snapshot it, step it, start its staged writes."""
+        ids = [self.opt.index_of(p) for p in chunk]
         for i, p in zip(ids, chunk):
             batch, cost = self._reads.pop(i)
             batch.finish()
-            self._install_grad(p, *self._grads.pop(i))
+            self._install_grad(p, i)
             self.landed_bytes -= cost
             self.stepped.add(i)
-        self.opt._step_only(chunk)
-        for hook in self.opt.after_step:
-            hook(chunk)
+            self._snapshots[i] = self.opt.stage(p)
+        self.opt.step_params(chunk)
         kept = [p for i, p in zip(ids, chunk) if i in self._tail]
         for i, p in zip(ids, chunk):
             if parking.parked(p) is not None and i not in self._tail:
                 parking.unhold(p)  # the write's ``after`` releases it once saved
-        # what the writes hold: parameter and state bytes (``_cost`` less the grad)
-        nbytes = sum(self.opt._cost(p) - p.numel() * p.element_size() for p in chunk)
+        # what the writes hold: parameter and state bytes (``io_bytes`` less the grad)
+        nbytes = sum(self.opt.io_bytes(p) - p.numel() * p.element_size() for p in chunk)
         self._reap(nbytes, block=False)
-        writes = self.opt._write(chunk)
+        writes = self.opt.start_staged_writes(chunk)
         for p in kept:  # stays loaded for the next forward's first all-gathers (its release drops it)
             writes.after.append(lambda p=p: parking.unhold(p))
         self._kept += kept
         self._writes.append((writes, nbytes))
         self.writes_bytes += nbytes
 
-    def _install_grad(self, p: torch.Tensor, grad: torch.Tensor, stored: Optional[torch.Tensor]) -> None:
-        """``p.grad``: the landed grad, added to the stored sum of earlier micro-batches if any."""
-        grad = grad.detach().reshape(p.shape)
-        if stored is not None:
-            p.grad = stored.add_(grad)
-        else:
-            p.grad = grad
+    def _install_grad(self, p: torch.Tensor, i: int) -> None:
+        """``p.grad``: the landed grad, added to the stored sum of earlier micro-batches if any; its
+        norms recorded."""
+        grad = self._summed(i).detach().reshape(p.shape)
+        del self._grads[i]
+        p.grad = grad
+        self._norms.setdefault(i, grad_norms(grad))
         parking.clear_grad(p)  # consumed by this step
 
     def _reap(self, room: int, block: bool) -> None:
@@ -212,18 +285,47 @@ class BackwardStep:
         """True while landed grads wait to be stepped."""
         return len(self.stepped) < len(self.landed)
 
-    def finish(self) -> Batch:
-        """Step what landed; remember the landing order; return the writes still in flight as one batch."""
+    def finish(self) -> bool:
+        """Step what landed; True if every grad stepped was finite (this rank's verdict)."""
         self.drain(block=True)
+        return all(bool(torch.isfinite(self._norms[i][2.0])) for i in self.stepped)
+
+    def commit(self) -> Batch:
+        """Make the staged steps current; remember the landing order; return the writes still in
+        flight as one batch."""
+        self.opt.commit([self.opt.params[i] for i in self.stepped])
         if self.landed:
             self.order = self.landed
-            self._tail = set(_tail(self.order, self.opt._params, self.window_bytes))
-        self.landed, self._cursor, self.stepped = [], 0, set()
+            self._tail = set(_tail(self.order, self.opt.params, self.window_bytes))
         behind = Batch(self.opt.spares)
         while self._writes:
             behind.absorb(self._writes.popleft()[0])
-        self.writes_bytes = 0
+        self._reset()
         return behind
+
+    def roll_back(self) -> None:
+        """Undo the staged steps: wait their writes, delete them, restore what they changed in
+        memory, empty every value loaded for them; the next backward starts clean."""
+        while self._writes:
+            _finish_quietly(self._writes.popleft()[0])
+        for i, (batch, _) in list(self._reads.items()):
+            discard_quietly(batch, self.opt.spares)
+            p = self.opt.params[i]
+            if parking.parked(p) is not None:
+                parking.unhold(p)
+                parking.release(p)
+        self._reads = {}
+        for i in sorted(self.stepped):
+            self.opt.roll_back(self.opt.params[i], self._snapshots[i])
+        self._kept, self._grads = [], {}
+        self.forget_norms()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.landed, self._cursor, self.stepped, self._snapshots = [], 0, set(), {}
+        self.writes_bytes, self.open = 0, False
+        if not self._reads:
+            self.ahead_bytes = self.landed_bytes = 0
 
     def drop_kept(self) -> None:
         """Empty the shards left loaded for a forward that did not use them."""
@@ -234,17 +336,36 @@ class BackwardStep:
 
     def drop_reads(self) -> None:
         """Forget the reads started for parameters whose grads did not land (nothing installed)."""
-        if self.pending:
+        if self.pending or (self.open and self.stepped):
             raise RuntimeError("OffloadedOptimizer: grads landed in a backward inside "
-                               "step_in_backward() and were not stepped yet; call step() first")
+                               "step_in_backward() and were not stepped and committed yet; call "
+                               "step() (or zero_grad() to discard them) first")
         reads, self._reads = self._reads, {}
         for i, (batch, _) in reads.items():
             discard(batch, self.opt.spares)
-            p = self.opt._params[i]
+            p = self.opt.params[i]
             if parking.parked(p) is not None:
                 parking.unhold(p)
                 parking.release(p)
         self.ahead_bytes = self.landed_bytes = 0
+
+
+def _finish_quietly(batch: Batch) -> None:
+    """Finish ``batch`` whatever its transfers met (a step being rolled back discards them)."""
+    for handle in batch.handles:
+        with contextlib.suppress(Exception):
+            handle.wait()
+    batch.handles = []
+    batch.finish()
+
+
+def discard_quietly(batch: Batch, spares: Spares) -> None:
+    """``discard`` a batch of reads whatever they met."""
+    for handle in batch.handles:
+        with contextlib.suppress(Exception):
+            handle.wait()
+    batch.handles = []
+    discard(batch, spares)
 
 
 def _tail(order: list[int], params: list[torch.Tensor], nbytes: int) -> list[int]:

@@ -10,7 +10,13 @@ three-stage pipeline: the reads of chunk k+1 are in flight while chunk k is step
 chunk k's writes run while chunk k+1 is stepped; chunk k-1's memory is freed once its
 writes finished, so at most three chunks are held. Inside ``step_in_backward()`` each
 parked parameter is stepped during backward instead, as its grad lands
-(``parts.offload.backward_step``), and ``step()`` finishes.
+(``parts.offload.backward_step``), and ``step()`` finishes. Such a step is a transaction:
+its writes go to staged keys (the old values and state stay in the store) and ``step()``
+commits them (a rename in the store, no bytes move) once every grad landed and the ranks of
+``group`` agree that all are finite; a non-finite grad rolls the step back and counts it in
+``skipped_steps``, as does an exception during that backward or ``zero_grad()`` before
+``step()``. The methods under "the backward step's interface" are what
+``parts.offload.backward_step`` uses.
 
 The pipeline runs across steps (``across_steps=True``, the default): ``step()`` returns with
 the last chunk's writes still in flight (*behind*) and the state of the next step's first
@@ -33,33 +39,49 @@ parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
 from __future__ import annotations
 
 import contextlib
+import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from parts.base.wrapper import OptimizerWrapper
+from parts.comm import GroupArg, ReduceOp, all_reduce, group_info
 from parts.offload import parking
 from parts.offload._batch import Batch as _Batch, discard as _discard
+from parts.offload._optim_state import StateAccess
 from parts.offload.backward_step import BackwardStep
-from parts.offload.lease import Stored
 from parts.offload.plan import plan_chunks
 from parts.offload.spares import Spares
 from parts.offload.store import DiskStore
 
-__all__ = ["OffloadedOptimizer"]
+__all__ = ["OffloadedOptimizer", "Snapshot"]
+
+logger = logging.getLogger("parts.offload")
 
 AHEAD_CHUNKS = 2
 """Chunks whose state a step reads ahead for the next one: the most within three chunks (see
 the module docstring)."""
 
 
-class OffloadedOptimizer(OptimizerWrapper):
+@dataclass
+class Snapshot:
+    """What a step during backward changes of one parameter outside the store, kept until it
+    commits: its small in-memory state entries and the names of its state tensors in the store
+    (None: it had none)."""
+
+    state: Optional[dict[str, Any]]
+    placed: Optional[dict[str, tuple[torch.Size, torch.dtype]]]
+
+
+class OffloadedOptimizer(StateAccess, OptimizerWrapper):
     """Wraps ``optimizer``; its per-parameter state tensors live in ``store`` between steps."""
 
     drives_parked_tensors = True  # parking's plain-optimizer guard lets this one through
 
     def __init__(self, optimizer: torch.optim.Optimizer, store: DiskStore, *,
-                 chunk_bytes: int = 64 << 20, prefix: str = "optim", across_steps: bool = True) -> None:
+                 chunk_bytes: int = 64 << 20, prefix: str = "optim", across_steps: bool = True,
+                 group: GroupArg = None) -> None:
         super().__init__(optimizer)
         if not isinstance(store, DiskStore):
             raise TypeError(f"OffloadedOptimizer: store must be a parts.offload.DiskStore, got {type(store).__name__}")
@@ -81,6 +103,9 @@ class OffloadedOptimizer(OptimizerWrapper):
         self.ahead_chunks = AHEAD_CHUNKS  # at most AHEAD_CHUNKS: the memory bound
         self._behind: Optional[_Batch] = None  # the last step's last chunk's writes, in flight
         self._ahead: list[_Batch] = []  # the next step's first chunks' state, being read
+        self._staged: dict[int, list[str]] = {}  # id -> state names written under staged keys
+        self.group = group  # the ranks whose steps during backward commit or roll back together
+        self.skipped_steps = 0  # steps during backward rolled back for a non-finite grad
         self.backward_step = BackwardStep(self, self.step_chunk_bytes)  # step_in_backward's state
         self._patch_step_function()
         self._offload_all()
@@ -102,36 +127,6 @@ class OffloadedOptimizer(OptimizerWrapper):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._offload_all()
 
-    def state_of(self, p: torch.Tensor) -> dict[str, Any]:
-        """The full state of ``p`` (offloaded tensors read back into fresh memory)."""
-        self.settle()
-        state = dict(self.optimizer.state.get(p, {}))
-        state.update((name, self.state_of_key(p, name)) for name in self.stored_keys(p))
-        return state
-
-    # ------------------------------------------- one state tensor at a time (checkpoints)
-    def stored_keys(self, p: torch.Tensor) -> list[str]:
-        """Names of ``p``'s state tensors that live in the store."""
-        return list(self._placed.get(id(p), {}))
-
-    def write_state(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
-        """Store ``value`` (shaped like ``p``, on CPU) as ``p``'s state tensor ``name``; waits."""
-        if value.shape != p.shape or value.device.type != "cpu":
-            raise ValueError(f"OffloadedOptimizer: state {name!r} of parameter "
-                             f"{self._index.get(id(p), '?')} must be a CPU tensor of shape "
-                             f"{tuple(p.shape)}, got {tuple(value.shape)} on {value.device}")
-        self.settle()
-        self.optimizer.state.get(p, {}).pop(name, None)
-        self.store.write(self._key(p, name), value.contiguous()).wait()
-        self._placed.setdefault(id(p), {})[name] = (value.shape, value.dtype)
-
-    def clear_state(self, p: torch.Tensor) -> None:
-        """Forget ``p``'s state: the in-memory entries and the stored tensors."""
-        self.settle()
-        self.optimizer.state.pop(p, None)
-        for name in self._placed.pop(id(p), {}):
-            self.store.delete(self._key(p, name))
-
     # ------------------------------------------------------------------------ stepping
     def step_in_backward(self) -> contextlib.AbstractContextManager:
         """Inside, each parked parameter is stepped as soon as its grad shard lands during backward
@@ -146,14 +141,19 @@ class OffloadedOptimizer(OptimizerWrapper):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Step every parameter with a grad, chunk by chunk, state streamed from and to the store
-        (after ``step_in_backward``: finish the parameters stepped during backward, step the rest)."""
+        (after ``step_in_backward``: finish the parameters stepped during backward and commit
+        them if every rank's grads are finite, else roll them back and skip; step the rest)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        early = bool(self.backward_step.landed)
-        if early:  # the writes it leaves in flight join the last step's
-            behind = self.backward_step.finish()
+        early = self.backward_step.open
+        if early:
+            finite = self.backward_step.finish() and self._rest_finite()
+            if not self._agree_finite(finite):
+                self._skip()
+                return loss
+            behind = self.backward_step.commit()  # its writes in flight join the last step's
             behind.absorb(self._behind or _Batch())
             self._behind = behind
         self.backward_step.drop_reads()
@@ -167,11 +167,92 @@ class OffloadedOptimizer(OptimizerWrapper):
             self.backward_step.read_ahead()  # the next backward's first landings
         return loss
 
+    def _rest_finite(self) -> bool:
+        """True if the grads in memory of the parameters not stepped during backward are finite."""
+        return all(bool(torch.isfinite(p.grad).all()) for p in self._params if p.grad is not None)
+
+    def _agree_finite(self, finite: bool) -> bool:
+        """True if every rank of ``group`` found its grads finite (one all-reduce)."""
+        flag = torch.tensor(0.0 if finite else 1.0)
+        return float(all_reduce(flag, group_info(self.group, "OffloadedOptimizer.step"), ReduceOp.MAX)) == 0.0
+
+    def _skip(self) -> None:
+        self.backward_step.roll_back()
+        self.skipped_steps += 1
+        logger.warning("OffloadedOptimizer rank %d: non-finite grad in a step during backward: "
+                       "rolled back, step skipped (%d skipped so far)",
+                       group_info(self.group, "OffloadedOptimizer.step").rank, self.skipped_steps)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or drop) the grads, those of parked parameters in the store included."""
+        """Zero (or drop) the grads, those of parked parameters in the store included; a step
+        during backward not committed by ``step()`` is rolled back."""
+        if self.backward_step.open:
+            self.backward_step.roll_back()
+        self.backward_step.forget_norms()
         self.optimizer.zero_grad(set_to_none)
         for p in self._params:
             parking.clear_grad(p)
+
+    # ------------------------------------------------------- the backward step's interface
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The tensors this optimizer steps, in group order (an index names their store keys)."""
+        return self._params
+
+    def index_of(self, p: torch.Tensor) -> int:
+        """The index of ``p`` in ``params``."""
+        return self._index[id(p)]
+
+    def io_bytes(self, p: torch.Tensor) -> int:
+        """Bytes a step of ``p`` holds: its value, grad and state tensors."""
+        return self._cost(p)
+
+    def start_reads(self, params: list[torch.Tensor]) -> _Batch:
+        """Start reading ``params``' state and parked values (not their grads); finishing the
+        returned batch installs them."""
+        return self._read(params, grads=False)
+
+    def step_params(self, params: list[torch.Tensor]) -> None:
+        """Step ``params`` alone (their values, grads and state in memory), then the ``after_step`` hooks."""
+        self._step_only(params)
+        for hook in self.after_step:
+            hook(params)
+
+    def stage(self, p: torch.Tensor) -> Snapshot:
+        """What a step of ``p`` about to be staged changes outside the store (``roll_back`` restores it)."""
+        placed = self._placed.get(id(p))
+        state = self.optimizer.state.get(p)
+        small = None if state is None else {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                            for k, v in state.items() if placed is None or k not in placed}
+        return Snapshot(small, None if placed is None else dict(placed))
+
+    def start_staged_writes(self, params: list[torch.Tensor]) -> _Batch:
+        """Start writing stepped ``params`` under staged keys (``commit`` makes them current)."""
+        return self._write(params, staged=True)
+
+    def commit(self, params: list[torch.Tensor]) -> None:
+        """Make the staged values and state of ``params`` current (renames in the store)."""
+        for p in params:
+            for name in self._staged.pop(id(p), []):
+                self.store.rename(self._key(p, name) + parking.STAGED, self._key(p, name))
+            if parking.parked(p) is not None:
+                parking.commit(p)
+
+    def roll_back(self, p: torch.Tensor, snapshot: Snapshot) -> None:
+        """Forget ``p``'s staged step: delete its staged keys, restore ``snapshot``, empty its value."""
+        for name in self._staged.pop(id(p), []):
+            self.store.delete(self._key(p, name) + parking.STAGED)
+        if snapshot.placed is None:
+            self._placed.pop(id(p), None)
+        else:
+            self._placed[id(p)] = snapshot.placed
+        if snapshot.state is None:
+            self.optimizer.state.pop(p, None)
+        else:
+            self.optimizer.state[p] = snapshot.state
+        p.grad = None
+        if parking.parked(p) is not None:
+            parking.unstage(p)
 
     def _cost(self, p: torch.Tensor) -> int:
         placed = self._placed.get(id(p))
@@ -280,15 +361,19 @@ class OffloadedOptimizer(OptimizerWrapper):
             for g, params in zip(self.optimizer.param_groups, saved):
                 g["params"] = params
 
-    def _write(self, chunk: list[torch.Tensor]) -> _Batch:
-        """Start writing the chunk's state (and parked values) back; finish frees their memory."""
-        batch = _Batch(self.spares)
+    def _write(self, chunk: list[torch.Tensor], staged: bool = False) -> _Batch:
+        """Start writing the chunk's state (and parked values) back, under staged keys if ``staged``;
+        finish frees their memory."""
+        batch, suffix = _Batch(self.spares), parking.STAGED if staged else ""
         for p in chunk:
-            for name, t in self._offloadable(p):
-                batch.handles.append(self.store.write(self._key(p, name), t))
+            offloadable = self._offloadable(p)
+            for name, t in offloadable:
+                batch.handles.append(self.store.write(self._key(p, name) + suffix, t))
                 batch.keep.append(self.optimizer.state[p].pop(name))
+            if staged:
+                self._staged[id(p)] = [name for name, _ in offloadable]
             if parking.parked(p) is not None:
-                batch.handles.append(parking.save(p))
+                batch.handles.append(parking.save(p, staged=staged))
                 if p.grad is not None:
                     self.spares.give(p.grad)  # read from the store, used by the step: done with
                 p.grad = None
@@ -314,86 +399,3 @@ class OffloadedOptimizer(OptimizerWrapper):
                     batch.handles.append(self.store.write(self._key(p, name), t))
                     batch.keep.append(self.optimizer.state[p].pop(name))
         batch.finish()
-
-    # ------------------------------------------------------------------- state dicts
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's ``state_dict()`` with the offloaded tensors read back in."""
-        return self._state_dict(lambda p, name, stored: self.state_of_key(p, name))
-
-    def stored_state_dict(self) -> dict[str, Any]:
-        """``state_dict()`` with each offloaded tensor as a ``parts.offload.lease.Stored`` (nothing
-        read: a DCP checkpoint reads them one at a time); ``load_state_dict`` takes it back."""
-        return self._state_dict(lambda p, name, stored: stored)
-
-    def stored_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """The state of ``p``: in-memory entries, and offloaded tensors as ``Stored`` (nothing read)."""
-        return {**self.optimizer.state.get(p, {}), **self._stored(p)}
-
-    def _stored(self, p: torch.Tensor) -> dict[str, Stored]:
-        return {name: Stored(self.store, self._key(p, name), shape.numel(), dtype)
-                for name, (shape, dtype) in self._placed.get(id(p), {}).items()}
-
-    def state_of_key(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        """Offloaded state tensor ``name`` of ``p``, read into fresh memory."""
-        shape, dtype = self._placed[id(p)][name]
-        out = parking.empty_for_io(shape, dtype)
-        self.store.read(self._key(p, name), out).wait()
-        return out
-
-    def _state_dict(self, offloaded: Callable[[torch.Tensor, str, Stored], Any]) -> dict[str, Any]:
-        self.settle()
-        sd = self.optimizer.state_dict()
-        for p in self._params:
-            stored = self._stored(p)
-            if stored:
-                entry = sd["state"].setdefault(self._index[id(p)], {})
-                entry.update({name: offloaded(p, name, st) for name, st in stored.items()})
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load as the wrapped optimizer does; state tensors shaped like their parameter go straight
-        to the store one at a time (never all in memory at once); a ``Stored`` entry (from
-        ``stored_state_dict``) must name this optimizer's own key: its bytes stay."""
-        self.settle()
-        state_dict, kept = self._take_stored(state_dict)
-        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
-        by_id = dict(zip(saved, self._params)) if len(saved) == len(self._params) else {}
-        streamed = {i: {k: v for k, v in st.items() if k != "step" and _shaped_like(v, by_id[i])}
-                    for i, st in state_dict["state"].items() if i in by_id}
-        rest = dict(state_dict, state={i: {k: v for k, v in st.items() if k not in streamed.get(i, {})}
-                                       for i, st in state_dict["state"].items()})
-        self.optimizer.load_state_dict(rest)  # checks the groups; raises before anything changed
-        for i, p in enumerate(self._params):
-            for name in self._placed.pop(id(p), {}):
-                if name not in kept.get(i, {}):
-                    self.store.delete(self._key(p, name))
-        for i, names in kept.items():
-            self._placed.setdefault(id(self._params[i]), {}).update(names)
-        for i, tensors in streamed.items():
-            p = by_id[i]
-            for name, value in tensors.items():  # cast as torch casts non-step state
-                dtype = p.dtype if p.is_floating_point() else value.dtype
-                self.write_state(p, name, value.to(device=p.device, dtype=dtype))
-        self._offload_all()  # anything else shaped like its parameter (e.g. a 0-d param's step)
-
-    def _take_stored(self, state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[int, dict]]:
-        """``state_dict`` without its ``Stored`` entries (checked to be this optimizer's own), and
-        ``{index: {name: (shape, dtype)}}`` of those entries."""
-        kept: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-        state = {i: dict(entry) for i, entry in state_dict.get("state", {}).items()}
-        for i, entry in state.items():
-            for name, value in list(entry.items()):
-                if not isinstance(value, Stored):
-                    continue
-                placed = self._placed.get(id(self._params[i]), {}).get(name) if i < len(self._params) else None
-                if placed is None or value.store is not self.store or value.key != self._key(self._params[i], name):
-                    raise ValueError(f"OffloadedOptimizer.load_state_dict: state {name!r} of tensor #{i} is "
-                                     f"{value!r}, not this optimizer's own stored tensor")
-                kept.setdefault(i, {})[name] = placed
-                del entry[name]
-        return {**state_dict, "state": state}, kept
-
-
-def _shaped_like(value: Any, p: torch.Tensor) -> bool:
-    """A tensor the store holds for ``p``: shaped like it (its device is the parameter's)."""
-    return isinstance(value, torch.Tensor) and value.shape == p.shape

@@ -7,6 +7,10 @@ it) stays. ``load`` refills the storage from the store (asynchronously: ``prefet
 counts the saves, so code that caches a value derived from the tensor (a gathered full
 parameter) can tell it changed while the storage was empty.
 
+A step that may be rolled back saves under the staged key (``save(t, staged=True)``:
+``<key>~staged``); ``commit`` makes it the tensor's bytes, ``unstage`` forgets it and empties
+the storage (which held the uncommitted values), so the next load reads the old bytes.
+
 A parked tensor may also carry a gradient in the store (``<key>/grad``):
 ``accumulate_grad`` adds into it (read, add, write), ``load_grad`` returns it,
 ``clear_grad`` deletes it. A ``save`` may still be in flight when the caller goes on (the
@@ -29,12 +33,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
 from parts.offload.store import DiskStore, IOHandle
 
-__all__ = ["Parked", "park", "parked", "prefetch", "load", "drop", "release", "hold", "unhold", "ready",
-           "save", "is_resident",
+__all__ = ["Parked", "STAGED", "park", "parked", "prefetch", "load", "drop", "release", "hold", "unhold",
+           "ready", "save", "commit", "unstage", "is_resident",
            "version", "overwrite", "replace", "accumulate_grad", "load_grad", "has_grad", "clear_grad",
            "empty_for_io"]
 
 _ATTR = "_parts_parked"
+STAGED = "~staged"
+"""Suffix of the store key a staged save writes to (``commit`` renames it to the tensor's key)."""
 
 
 @dataclass(eq=False)
@@ -52,6 +58,9 @@ class Parked:
     grad_of: Optional["Parked"] = field(default=None, repr=False)  # whose stored grad is this one's
     holds: int = 0  # holders (``hold``) for whom ``release`` keeps the bytes loaded
     on_grad: Optional[Callable[[torch.Tensor, bool], None]] = field(default=None, repr=False)  # takes landing grads
+    staged: bool = False  # a save under the staged key awaits ``commit`` or ``unstage``
+    # the norms {1, 2, inf} of a grad consumed by a step during backward (a call: it may wait a read)
+    consumed: Optional[Callable[[], dict[float, torch.Tensor]]] = field(default=None, repr=False)
 
     @property
     def grad_key(self) -> str:
@@ -226,14 +235,39 @@ def _wait_save(record: Parked) -> None:
         saving.wait()
 
 
-def save(t: torch.Tensor) -> IOHandle:
-    """Write ``t``'s (changed) bytes back; keep its storage until the handle is waited."""
+def save(t: torch.Tensor, staged: bool = False) -> IOHandle:
+    """Write ``t``'s (changed) bytes back (under the staged key if ``staged``: ``commit`` makes
+    them current); keep its storage until the handle is waited."""
     record = parked(t)
     if not record.resident:
         raise RuntimeError(f"parts.offload: save of {record.key!r}, which is not loaded")
     record.version += 1
-    record.saving = record.store.write(record.key, t)
+    record.staged = staged
+    record.saving = record.store.write(record.key + STAGED if staged else record.key, t)
     return record.saving
+
+
+def commit(t: torch.Tensor) -> None:
+    """Make the staged save of ``t`` its bytes (a rename in the store; no-op without one)."""
+    record = parked(t)
+    if record.staged:
+        record.store.rename(record.key + STAGED, record.key)
+        record.staged = False
+
+
+def unstage(t: torch.Tensor) -> None:
+    """Forget the staged save of ``t`` and empty its storage (it held those values): the next load
+    reads the committed bytes; ``version`` moves, so values derived from the tensor are renewed."""
+    record = parked(t)
+    if record.pending is not None:
+        load(t)
+    _wait_save(record)
+    if record.staged:
+        record.store.delete(record.key + STAGED)
+        record.staged = False
+    if record.resident:
+        drop(t)
+    record.version += 1
 
 
 def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:

@@ -140,6 +140,27 @@ def read_grad(t: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def scale_grad(shard: torch.Tensor, coef: float) -> None:
+    """Multiply a parked shard's stored grad by ``coef`` (read, scale, write back)."""
+    grad = read_grad(shard)
+    grad.mul_(coef)
+    parking.accumulate_grad(shard, grad, accumulate=False)
+
+
+def consumed_norm(shard: torch.Tensor, norm_type: float) -> Optional[torch.Tensor]:
+    """The ``norm_type`` norm of the grad of ``shard`` that a step during backward consumed
+    (``OffloadedOptimizer.step_in_backward``), or None if no step consumed one."""
+    record = parking.parked(shard)
+    if record is None or record.consumed is None:
+        return None
+    norms = record.consumed()
+    if float(norm_type) not in norms:
+        raise ValueError(f"grad norm of order {norm_type}: the grad of the shard stored under "
+                         f"{record.key!r} was consumed by a step during backward, which keeps its "
+                         f"norms of orders {sorted(norms)} only")
+    return norms[float(norm_type)]
+
+
 @contextlib.contextmanager
 def rewrite(shard: torch.Tensor) -> Iterator[None]:
     """Inside, a parked shard holds its bytes; on exit they are saved back and dropped."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from parts.comm import GroupInfo, group_info
 from parts.comm.norm import counts, global_norm, scale_
+from parts.partition.core import disk
 from parts.partition.core.grad_guard import internal, raw_grad
 from parts.partition.core.param import is_partitioned, meta, unique_params
 
@@ -30,17 +31,30 @@ def _params(model_or_params: Params) -> list[torch.Tensor]:
     return unique_params(model_or_params)
 
 
+def _check_reduced(p: torch.Tensor) -> None:
+    with internal:
+        full = raw_grad(p)
+    if full is not None:
+        raise RuntimeError(f"clip_grad_norm_: {meta(p).describe()} still has a full gradient in "
+                           "p.grad (not reduce-scattered yet): call it after backward() of an "
+                           "attached model, or after reduce_scatter_grads")
+
+
 def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
-    """The grad this rank holds for ``p``: its grad shard if sharded, else ``p.grad``."""
-    if is_partitioned(p):
-        with internal:
-            full = raw_grad(p)
-        if full is not None:
-            raise RuntimeError(f"clip_grad_norm_: {meta(p).describe()} still has a full gradient in "
-                               "p.grad (not reduce-scattered yet): call it after backward() of an "
-                               "attached model, or after reduce_scatter_grads")
-        return meta(p).grad_shard
-    return p.grad
+    """The grad this rank holds for ``p``: its grad shard if sharded (read from the store if it
+    is there), else ``p.grad``."""
+    if not is_partitioned(p):
+        return p.grad
+    _check_reduced(p)
+    shard = meta(p).shard
+    if disk.has_grad(shard):
+        return disk.read_grad(shard)
+    return meta(p).grad_shard
+
+
+def _consumed(p: torch.Tensor, norm_type: float) -> Optional[torch.Tensor]:
+    """The norm of ``p``'s grad shard if a step during backward consumed it, else None."""
+    return disk.consumed_norm(meta(p).shard, norm_type) if is_partitioned(p) else None
 
 
 def _info(params: list, grid: Any) -> GroupInfo:
@@ -56,25 +70,51 @@ def _info(params: list, grid: Any) -> GroupInfo:
 def _counted(params: list, info: GroupInfo, grid: Any) -> list:
     tp_rank = grid.tp_rank if grid is not None else 0
     dp_rank = grid.dp_rank if grid is not None else info.rank
-    return [_grad_of(p) for p in params
-            if counts(p, tp_rank, dp_rank, dp_replicated=not is_partitioned(p))]
+    return [p for p in params if counts(p, tp_rank, dp_rank, dp_replicated=not is_partitioned(p))]
 
 
 def grad_norm(model_or_params: Params, norm_type: float = 2.0, *, grid: Any = None) -> torch.Tensor:
-    """The norm of the whole gradient of a sharded model (a collective over its group)."""
+    """The norm of the whole gradient of a sharded model (a collective over its group): grad
+    shards in memory, in a ``DiskStore`` (read one at a time) or consumed by a step during
+    backward (``OffloadedOptimizer.step_in_backward``: their norms were kept)."""
     params = _params(model_or_params)
     info = _info(params, grid)
-    return global_norm(_counted(params, info, grid), info, float(norm_type))
+    counted = _counted(params, info, grid)
+    consumed = {id(p): _consumed(p, norm_type) for p in counted}
+    kept = [n for n in consumed.values() if n is not None]
+    grads = (_grad_of(p) for p in counted if consumed[id(p)] is None)
+    return global_norm(grads, info, float(norm_type), norms=kept)
 
 
 def clip_grad_norm_(model_or_params: Params, max_norm: float, norm_type: float = 2.0, *,
                     error_if_nonfinite: bool = False, grid: Any = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for a sharded model: scale every grad shard by the same
-    ``min(1, max_norm / (norm + 1e-6))`` of the global norm; return that norm (every rank)."""
+    """``torch.nn.utils.clip_grad_norm_`` for a sharded model: scale every grad shard (in memory
+    or in a ``DiskStore``) by the same ``min(1, max_norm / (norm + 1e-6))`` of the global norm;
+    return that norm (every rank). Grads a step during backward consumed cannot be scaled: a
+    clip that would scale them raises."""
     params = _params(model_or_params)
     norm = grad_norm(params, norm_type, grid=grid)
     if error_if_nonfinite and not math.isfinite(float(norm)):
         raise RuntimeError(f"clip_grad_norm_: the global gradient norm of order {norm_type} is "
                            f"{float(norm)}; pass error_if_nonfinite=False to leave the grads unscaled")
-    scale_([_grad_of(p) for p in params], max_norm, norm)
+    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    if not math.isfinite(float(norm)) or coef >= 1.0:
+        return norm
+    _refuse_consumed(params, norm, max_norm)
+    stored = [p for p in params if is_partitioned(p) and disk.has_grad(meta(p).shard)]
+    for p in stored:  # read, scale and write back one at a time
+        disk.scale_grad(meta(p).shard, coef)
+    held = {id(p) for p in stored}
+    scale_([_grad_of(p) for p in params if id(p) not in held], max_norm, norm)
     return norm
+
+
+def _refuse_consumed(params: list, norm: torch.Tensor, max_norm: float) -> None:
+    """Raise if a grad that would be scaled was already stepped during backward."""
+    stepped = [p for p in params if _consumed(p, 2.0) is not None]
+    if stepped:
+        raise RuntimeError(f"clip_grad_norm_: the global grad norm {float(norm):.4g} exceeds max_norm="
+                           f"{max_norm}, but the grads of {len(stepped)} parameters (the first: "
+                           f"{meta(stepped[0]).describe()}) were already stepped during backward "
+                           f"inside OffloadedOptimizer.step_in_backward(); a clip needs every grad "
+                           f"before any step: call backward outside step_in_backward() to clip")
