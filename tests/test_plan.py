@@ -124,7 +124,7 @@ def test_model_states_and_traffic_equal_the_zero_formulas_at_world_1024() -> Non
     build = _builder(1024, 256, (1024, 1024))  # every parameter's size divides by 1024 or is persistent-free
     with torch.device("meta"):
         shape = shape_of(build())
-    psi, n = shape.params, 1024
+    n = 1024
     knobs = Knobs(persistence_threshold=0, max_reuse_distance=0)
     plan = estimate(shape, n, knobs)
     padded = sum(-(-size // n) * n for size in shape.sizes.values())
