@@ -1,35 +1,23 @@
-"""Hugging Face ``Trainer``, unmodified, on a model sharded by parts (ZeRO-3), at world 2.
+"""Hugging Face ``Trainer`` on a model sharded by parts (ZeRO-3): ``parts.integrations.transformers.Trainer``.
 
     torchrun --standalone --nproc-per-node 2 recipes/hf_trainer.py
     torchrun --standalone --nproc-per-node 2 recipes/hf_trainer.py --compare-ddp --steps 4
 
-A tiny GPT-2 is built from a config (no download) under ``partitioned()``, ``attach``ed, and
-trained by ``PartsTrainer``: ``transformers.Trainer`` with four small overrides, below.
-``--compare-ddp`` first trains the same model unsharded with the plain ``Trainer`` (which
-wraps it in DDP under torchrun), same seeds and global batch, twice: with gradient clipping
-(``--max-grad-norm``) and without (0), then the parts run of each, and prints one line
-``compare {json}`` (rank 0) with both runs' per-step losses and grad norms and the largest
-difference of the final parameters. ``tests/test_interop_trainer.py`` checks it. Needs
-``pip install "parts[hf]"``.
+A tiny GPT-2 is built from a config (no download) under ``partitioned()`` and trained by
+parts' drop-in ``Trainer`` with transformers' default knobs (fused AdamW, linear schedule,
+clipping, a checkpoint every ``--save-steps``); that is all the parts-specific code there is:
 
-What ``Trainer`` does, and how parts meets each:
-- ``model.to(device)``: a no-op on the device the shards live on (parts' ``_apply``).
-- ``model.zero_grad()`` (before training and after every step): clears the grad shards.
-- its optimizer, built by ``create_optimizer`` over ``model.parameters()`` (decay and
-  no-decay groups, ``optim`` such as the default fused AdamW): ``use_shards`` swaps each
-  sharded parameter for its shard, every group setting kept; the scheduler is Trainer's own.
-  Fused kernels bump no version counter: parts counts optimizer steps on the shards, so the
-  parameters kept gathered between steps are refreshed.
-- gradient clipping and the logged ``grad_norm`` (``accelerator.clip_grad_norm_(model.parameters())``,
-  which reads ``p.grad`` and raises for sharded parameters): ``_clip_grad_norm`` and
-  ``_get_grad_norm`` use ``parts.partition.clip_grad_norm_`` / ``grad_norm``, the global norm.
-- DDP: under torchrun accelerate wraps the model in ``DistributedDataParallel`` (which would
-  broadcast and all-reduce released parameters); the model is marked
-  ``_is_accelerate_prepared`` so accelerate leaves it alone (nor does it wrap ``forward`` in
-  autocast then: use ``attach(..., mixed_precision=...)``). The data is still split by rank.
-- ``save_model``: ``full_state_dict`` (a collective), written by ``save_pretrained`` on rank 0.
-  Trainer checkpoints (``save_strategy``) would save rank 0's shards of the optimizer only:
-  refused; checkpoint with ``parts.partition.sharded_state_dict`` (DCP) instead.
+    with partitioned():
+        model = GPT2LMHeadModel(config)
+    Trainer(model=model, args=TrainingArguments(...), train_dataset=data).train()
+
+The default run trains, then resumes a second ``Trainer`` from the middle checkpoint and
+prints whether its later losses equal the first run's. ``--compare-ddp`` first trains the
+same model unsharded with transformers' own ``Trainer`` (DDP under torchrun), same seeds and
+global batch, with clipping (``--max-grad-norm``) and without (0), and prints one line
+``compare {json}`` (rank 0) with both runs' per-step losses and grad norms and the largest
+difference of the final parameters (``tests/test_interop_trainer.py`` checks it). Needs
+``pip install "parts[hf]"``.
 """
 
 from __future__ import annotations
@@ -42,52 +30,24 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 from parts.comm import broadcast_object
-from parts.partition import attach, clip_grad_norm_, full_state_dict, partitioned, use_shards
-from parts.partition import grad_norm as global_grad_norm
-
-
-class PartsTrainer(Trainer):
-    """``transformers.Trainer`` for a model built under ``partitioned()`` and ``attach``ed."""
-
-    def __init__(self, model: torch.nn.Module, args: TrainingArguments, **kwargs) -> None:
-        if args.save_strategy != "no":
-            raise ValueError("PartsTrainer: Trainer checkpoints would hold rank 0's optimizer shards "
-                             "only; pass save_strategy='no' and checkpoint with "
-                             "parts.partition.sharded_state_dict / sharded_optimizer_state_dict")
-        model._is_accelerate_prepared = True  # accelerate: no DDP around the sharded model
-        super().__init__(model=model, args=args, **kwargs)
-
-    def create_optimizer(self, model=None):
-        """Trainer's optimizer (its groups, its ``optim``), stepping the shards."""
-        return use_shards(super().create_optimizer(model))
-
-    def _clip_grad_norm(self, model):
-        """Clip by the global norm over every rank's grad shards; return that norm."""
-        return clip_grad_norm_(model, self.args.max_grad_norm)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        """The logged grad norm: the clipped one, else the global norm (no clipping)."""
-        return float(grad_norm if grad_norm is not None else global_grad_norm(model))
-
-    def save_model(self, output_dir=None, _internal_call=False):
-        """``save_pretrained`` of the consolidated weights, on rank 0."""
-        state = full_state_dict(self.model)
-        if self.args.should_save:
-            self.model.save_pretrained(output_dir or self.args.output_dir, state_dict=state)
+from parts.integrations.transformers import Trainer
+from parts.partition import full_state_dict, partitioned
 
 
 def parse_args() -> argparse.Namespace:
     """Command-line knobs (defaults: a few seconds of training on 2 CPU ranks)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=4, help="per rank")
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-grad-norm", type=float, default=0.5)
-    p.add_argument("--compare-ddp", action="store_true", help="also run the plain DDP Trainer; print diffs")
+    p.add_argument("--compare-ddp", action="store_true", help="also run transformers' DDP Trainer; print diffs")
     return p.parse_args()
 
 
@@ -113,40 +73,42 @@ class Sequences(torch.utils.data.Dataset):
 
 
 def training_args(opts: argparse.Namespace, out: str, max_grad_norm: float) -> TrainingArguments:
-    """The same arguments for the parts and the DDP run."""
+    """The same arguments for the parts and the DDP run (save_strategy is Trainer's default, "steps")."""
     return TrainingArguments(output_dir=out, max_steps=opts.steps, per_device_train_batch_size=opts.batch_size,
                              learning_rate=opts.lr, weight_decay=0.1, max_grad_norm=max_grad_norm,
-                             logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+                             logging_steps=1, save_steps=opts.save_steps, report_to=[], seed=0, use_cpu=True,
                              disable_tqdm=True, ddp_find_unused_parameters=False)
 
 
-def train(opts: argparse.Namespace, out: str, max_grad_norm: float, sharded: bool) -> tuple[dict, list]:
-    """One Trainer run; returns the final full state dict (every rank) and the logged steps."""
+def train(opts: argparse.Namespace, out: str, max_grad_norm: float, sharded: bool,
+          resume: str | None = None) -> tuple[Trainer, list]:
+    """One Trainer run (parts' on a sharded model, or transformers' own); returns it and its logged steps."""
     torch.manual_seed(0)
     data = Sequences(opts.steps * opts.batch_size * dist.get_world_size(), opts.seq_len)
     args = training_args(opts, out, max_grad_norm)
     if sharded:
         with partitioned():
             model = GPT2LMHeadModel(config())
-        attach(model)
-        trainer = PartsTrainer(model=model, args=args, train_dataset=data)
-    else:
-        model = GPT2LMHeadModel(config())
         trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
-    state = full_state_dict(model, rank0_only=False) if sharded else model.state_dict()
-    logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-    if sharded:
-        trainer.save_model(out)
-    return {k: v.detach().clone() for k, v in state.items()}, logs
+    else:
+        trainer = transformers.Trainer(model=GPT2LMHeadModel(config()), args=args, train_dataset=data)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def final_state(trainer: Trainer, sharded: bool) -> dict:
+    """The trained weights, full, on every rank."""
+    state = full_state_dict(trainer.model, rank0_only=False) if sharded else trainer.model.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def compare(opts: argparse.Namespace, out: str, max_grad_norm: float) -> dict:
     """The DDP Trainer run, then the parts run; losses, grad norms, parameter differences."""
-    ref, ref_logs = train(opts, os.path.join(out, "ddp"), max_grad_norm, sharded=False)
-    got, logs = train(opts, os.path.join(out, "parts"), max_grad_norm, sharded=True)
-    result = dict(max_grad_norm=max_grad_norm, ddp=ref_logs, parts=logs,
-                  keys_equal=sorted(ref) == sorted(got),
+    ref_trainer, ref_logs = train(opts, os.path.join(out, "ddp"), max_grad_norm, sharded=False)
+    trainer, logs = train(opts, os.path.join(out, "parts"), max_grad_norm, sharded=True)
+    ref, got = final_state(ref_trainer, False), final_state(trainer, True)
+    trainer.save_model(os.path.join(out, "parts"))
+    result = dict(max_grad_norm=max_grad_norm, ddp=ref_logs, parts=logs, keys_equal=sorted(ref) == sorted(got),
                   param_diff=max(float((got[k] - ref[k]).abs().max()) for k in ref))
     if dist.get_rank() == 0:  # what save_model wrote, read back by plain transformers
         saved = GPT2LMHeadModel.from_pretrained(os.path.join(out, "parts")).state_dict()
@@ -154,20 +116,32 @@ def compare(opts: argparse.Namespace, out: str, max_grad_norm: float) -> dict:
     return result
 
 
+def train_and_resume(opts: argparse.Namespace, out: str) -> None:
+    """Train with checkpoints, resume from the middle one, print both runs' later losses."""
+    _, logs = train(opts, os.path.join(out, "run"), opts.max_grad_norm, sharded=True)
+    middle = (opts.steps // 2) // opts.save_steps * opts.save_steps
+    resumed = None
+    if middle > 0:
+        checkpoint = os.path.join(out, "run", f"checkpoint-{middle}")
+        _, resumed = train(opts, os.path.join(out, "resumed"), opts.max_grad_norm, sharded=True, resume=checkpoint)
+    if dist.get_rank() == 0:
+        for step, (loss, norm) in enumerate(logs, 1):
+            print(f"step {step:3d}  loss {loss:.4f}  grad norm {norm:.4f}", flush=True)
+        if resumed is not None:
+            print(f"resumed from checkpoint-{middle}: later losses equal: {resumed == logs}", flush=True)
+
+
 def main() -> None:
     opts = parse_args()
     dist.init_process_group("gloo")
     tmp = tempfile.mkdtemp(prefix="hf_trainer_") if dist.get_rank() == 0 else None
-    out = broadcast_object(tmp)  # one directory: rank 0 saves, every rank names it
+    out = broadcast_object(tmp)  # one directory: every rank names it
     if opts.compare_ddp:
         results = [compare(opts, out, clip) for clip in (opts.max_grad_norm, 0.0)]
         if dist.get_rank() == 0:
             print("compare " + json.dumps(results), flush=True)
     else:
-        _, logs = train(opts, out, opts.max_grad_norm, sharded=True)
-        if dist.get_rank() == 0:
-            for step, (loss, norm) in enumerate(logs, 1):
-                print(f"step {step:3d}  loss {loss:.4f}  grad norm {norm:.4f}", flush=True)
+        train_and_resume(opts, out)
     dist.barrier()
     if tmp is not None:
         shutil.rmtree(tmp)

@@ -1,10 +1,10 @@
-"""HF ``Trainer`` on a model sharded by parts equals the DDP ``Trainer`` run.
+"""parts' drop-in ``Trainer`` on a sharded model equals transformers' own DDP ``Trainer``.
 
-Launches ``recipes/hf_trainer.py --compare-ddp`` under torchrun at world 2 (Trainer reads
-its distributed setup from torchrun's environment, so the forked harness cannot stand in):
-a tiny GPT-2 (dropout on, weight decay 0.1, Trainer's default fused AdamW and linear
-schedule), 4 steps of the plain ``Trainer`` (DDP) and of ``PartsTrainer`` on the same seeds
-and global batch, with clipping at 0.5 (active: every step's norm is above it) and without.
+Launches ``recipes/hf_trainer.py --compare-ddp`` under torchrun at world 2, as a user runs
+it: a tiny GPT-2 (dropout on, weight decay 0.1, Trainer's default fused AdamW and linear
+schedule), 4 steps of transformers' ``Trainer`` (DDP) and of
+``parts.integrations.transformers.Trainer`` on the same seeds and global batch, with
+clipping at 0.5 (active: every step's norm is above it) and without.
 Skipped without transformers (``pip install "parts[hf]"``).
 """
 
