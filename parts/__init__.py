@@ -6,7 +6,7 @@ flat-buffer BF16 optimizer), ``parts.checkpoint`` (partitioned activation checkp
 ``parts.parallel`` (tensor parallelism) and ``parts.observe`` (memory and time reporting).
 Below them: ``parts.base`` (shard arithmetic, device helpers), ``parts.comm`` (process
 groups, collectives, byte counter), ``parts.csrc`` (native copy ops) and ``parts._compat``
-(torch-version shims and internals). See CONTRIBUTING.md for who owns what.
+(torch-version shims and internals). See docs/architecture.md for who owns what.
 """
 
 __version__ = "0.1.0"
