@@ -1,7 +1,8 @@
 """Hook plumbing of the fetch coordinator: module hooks, output tensor hooks, parameter watch.
 
 Nothing here decides what to fetch; ``FetchCoordinator`` (coordinator.py) does. This module
-installs and removes the hooks and finds tensors inside whatever a forward returns.
+installs and removes the hooks and finds tensors inside whatever a forward returns. The hooks
+are ``eager``: under ``torch.compile`` each is a graph break, run with dynamo off (compiled.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ EAGER_REASON = (
 def eager(fn: Callable) -> Callable:
     """``fn`` (a coordinator hook) run eagerly where ``torch.compile`` traces its caller."""
     return never_compiled(fn, EAGER_REASON)
-
 
 
 def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
