@@ -236,3 +236,45 @@ def test_debug_names_a_parameter_frozen_on_one_rank_only():
     for what, name in (("norm", "model.norm.weight"), ("embed", "model.embed_tokens.weight")):
         for message in run(2, _disagree_case, what, timeout=60):
             assert f"'{name}' on rank(s) [0] only" in message and "requires_grad" in message
+
+
+def _adapters_after_case() -> dict:
+    """Full fine-tuning of a sharded, attached Llama for a step, then LoRA added to it: detach,
+    get_peft_model, partition_module (shards the new adapters only), attach; two LoRA steps."""
+    import torch.distributed as dist
+    from parts.partition import attach, load_full_state_dict, meta, partitioned, partition_module
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _llama()
+    with partitioned():
+        model = _llama()
+    load_full_state_dict(model, ref.state_dict())
+    first, *later = _batches(world)
+    plain = _plain_losses(ref, [first], world)
+    co = attach(model)
+    losses, _ = _sharded_losses(model, co, [first])
+    torch.manual_seed(1)
+    ref = _lora(ref)
+    torch.manual_seed(1)
+    model = partition_module(_lora(model))  # the adapters are new: only they get sharded
+    try:
+        attach(model)
+        refused = ""
+    except RuntimeError as err:  # the base model inside is still attached
+        refused = str(err)
+    co.detach()
+    co = attach(model)
+    plain += _plain_losses(ref, later, world)
+    more, reduced = _sharded_losses(model, co, later)
+    return dict(plain=[s[rank] for s in plain], losses=losses + more, refused=refused,
+                adapters=sum(n.count("lora_") for n, p in model.named_parameters() if p.requires_grad),
+                reduced=reduced, trainable_bytes=(world - 1) * 4 * sum(
+                    meta(p).layout.shard_numel for p in model.parameters() if p.requires_grad))
+
+
+def test_adapters_added_to_a_sharded_trained_model():
+    for out in run(2, _adapters_after_case, timeout=120):
+        torch.testing.assert_close(out["losses"], out["plain"], **TOL)
+        assert out["adapters"] == 8  # A and B of q_proj and v_proj in 2 layers
+        assert out["reduced"] == [out["trainable_bytes"]] * (STEPS - 1)
+        assert "'base_model.model' (LlamaForCausalLM)" in out["refused"] and "detach()" in out["refused"]

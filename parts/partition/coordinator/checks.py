@@ -19,6 +19,10 @@ def check_sharded(module: nn.Module, attached: Any) -> None:
     if module in attached:
         raise RuntimeError(f"attach: {type(module).__name__} already has a FetchCoordinator; "
                            "call its detach() first")
+    for name, sub in module.named_modules():
+        if sub in attached:  # e.g. adapters wrapped around an attached model (peft's get_peft_model)
+            raise RuntimeError(f"attach: submodule '{name}' ({type(sub).__name__}) already has a "
+                               "FetchCoordinator; call its detach() first, then attach the whole model")
     for name, p in module.named_parameters():
         if not is_partitioned(p) and p.is_meta:
             raise ValueError(f"attach: parameter '{name}' {tuple(p.shape)} is on the meta device and not "
