@@ -206,3 +206,32 @@ def test_seq2seq_trainer_predict_with_generate_equals_the_unsharded_model(tmp_pa
     for got in run(2, _generate, str(tmp_path), timeout=120):
         width = got["reference"].shape[1]
         assert torch.equal(got["predictions"][:, :width], got["reference"])
+
+
+def _bf16(out: str) -> dict:
+    from accelerate.state import AcceleratorState, GradientState
+
+    from parts.partition.coordinator import attached_to
+
+    AcceleratorState._reset_state()  # accelerate keeps one mixed precision per process; these workers outlive a test
+    try:
+        model = _model(dropout=0.0)
+        initial = _full(model)
+        trainer = Recording(model=model, args=_args(out, max_steps=1, bf16=True), train_dataset=Rows(8))
+        trainer.train()
+        with pytest.raises(ValueError, match="mixed_precision='fp16' has no parts counterpart"):
+            Trainer(model=_model(), args=_args(out, fp16=True), train_dataset=Rows(8))
+    finally:
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+    batch = _global(trainer.seen[0])
+    fp32 = _plain(initial)(input_ids=batch, labels=batch, num_items_in_batch=torch.tensor(batch.numel())).loss
+    return dict(dtype=attached_to(model).mixed_precision.param_dtype, loss=_logged(trainer, "loss")[0],
+                fp32=fp32.item())
+
+
+def test_trainer_bf16_trains_under_mixed_precision_and_fp16_raises(tmp_path) -> None:
+    for got in run(2, _bf16, str(tmp_path), timeout=120):
+        assert got["dtype"] == torch.bfloat16
+        assert got["loss"] != got["fp32"]  # computed in bf16, not silently fp32
+        assert got["loss"] == pytest.approx(got["fp32"], rel=0, abs=0.05)
