@@ -6,6 +6,8 @@ plain torch model loaded with it. Reads compare bitwise: they copy values, and t
 the same ops on the same weights as the plain model.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,10 +20,12 @@ KNOBS = {
     "threshold0": {"persistence_threshold": 0},  # none is: their reads raise
     "threshold300": {"persistence_threshold": 300},  # biases and norms persistent, weights not
     "mixed_precision": {"mixed_precision": "bf16"},  # gathered as bf16 copies of the fp32 shards
+    "debug": {"debug": True},  # the refresh after a step is agreed across ranks first
 }
-OPTIMIZERS = ["adamw", "adamw_fused", "sgd_foreach", "bf16", "offloaded", "disk"]
+OPTIMIZERS = ["adamw", "adamw_fused", "sgd_foreach", "bf16", "offloaded", "disk", "disk_in_backward"]
 CASES = [(k, o) for k in KNOBS for o in OPTIMIZERS
-         if (k, o) != ("mixed_precision", "bf16")]  # MixedPrecision keeps fp32 shards as masters
+         if (k, o) != ("mixed_precision", "bf16")  # MixedPrecision keeps fp32 shards as masters
+         and (k != "debug" or o in ("adamw", "bf16", "disk_in_backward"))]
 
 
 class Net(nn.Module):
@@ -56,7 +60,7 @@ def _optimizer(kind: str, model: nn.Module, store):
     from parts.partition import shards
     if kind == "bf16":  # built over the model's parameters: it steps fp32 masters of the shards
         return BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    if kind in ("offloaded", "disk"):
+    if kind in ("offloaded", "disk", "disk_in_backward"):
         return OffloadedOptimizer(torch.optim.AdamW(shards(model), lr=1e-2), store, chunk_bytes=8000)
     if kind == "sgd_foreach":
         return torch.optim.SGD(shards(model), lr=0.1, momentum=0.9, foreach=True)
@@ -78,16 +82,18 @@ def _sweep_case(knobs: str, kind: str, tmp: str) -> dict:
     from parts.offload import DiskStore
     from parts.partition import attach, full_state_dict, partitioned
     rank = dist.get_rank()
-    store = DiskStore(f"{tmp}/r{rank}") if kind in ("offloaded", "disk") else None
+    store = DiskStore(f"{tmp}/r{rank}") if kind in ("offloaded", "disk", "disk_in_backward") else None
     torch.manual_seed(0)
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32  # BF16Optimizer: bf16 params
-    with partitioned(remote_device=store if kind == "disk" else None, dtype=dtype):
+    with partitioned(remote_device=store if kind.startswith("disk") else None, dtype=dtype):
         model = Net()
     attach(model, **_knobs(knobs))
     opt = _optimizer(kind, model, store)
     out = {"state_dict": [], "named": [], "raised": {}, "state_dict_error": None}
     for step in range(2):
-        model(_batch(step, rank)).float().square().mean().backward()
+        loss = model(_batch(step, rank)).float().square().mean()
+        with opt.step_in_backward() if kind == "disk_in_backward" else contextlib.nullcontext():
+            loss.backward()  # (stepping parked shards as their grads land)
         opt.step()
         opt.zero_grad()
         try:  # the reads, right after the step, before anything gathers

@@ -12,8 +12,8 @@ calls ``after_optimizer_step`` when the outermost ``step()`` returns) the persis
 parameters whose shards changed are gathered again, synchronously, so ``state_dict()``,
 ``named_parameters()`` and any user read see the stepped values; the next step's start then
 finds them current (the same collective, moved). An optimizer step inside a step of this
-coordinator (stepping in backward) defers that refresh to the step's end. Reads of shards
-changed any other way: reads.py.
+coordinator (``OffloadedOptimizer.step_in_backward``) leaves them to the ``step()`` that must
+follow it. Reads of shards changed any other way: reads.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class Steps:
         self._misses = 0
         self._done = 0
         self._buffers_dirty = True
-        self._pending = False  # an optimizer stepped during a step: refresh at its end
         self.reads = ReadGuard(root, table)
         optimizer_steps.listen(self.after_optimizer_step)
 
@@ -101,12 +100,9 @@ class Steps:
 
     def after_optimizer_step(self) -> None:
         """An optimizer step ended: gather again (synchronously) the persistent params whose shards
-        it changed, so reads between steps see them; inside a step of ours, at that step's end."""
-        if self.current or in_backward():
-            self._pending = True
-            return
-        self._pending = False
-        self.refresh()
+        it changed, so reads between steps see them (not inside a step of ours: its params are in use)."""
+        if not self.current and not in_backward():
+            self.refresh()
 
     def refresh(self) -> None:
         """Gather again the gathered persistent params whose shards changed (one collective per
@@ -139,8 +135,6 @@ class Steps:
                            persistent_elements=self.table.persistent_elements(),
                            cached_bytes=pool.cached_bytes if pool else 0)
         self.counters.reset()
-        if self._pending and not self.current:
-            self.after_optimizer_step()
 
     def abandon(self, phase: str) -> None:
         """Forget the step of ``phase`` after an error; release what it held, locally only."""
