@@ -228,6 +228,10 @@ def main() -> None:
         print(f"  {system:10s} backward {back * 1e3:7.1f} ms + step {step * 1e3:7.1f} ms = "
               f"{(back + step) * 1e3:7.1f} ms ({(back + step) / totals['parts']:.2f} of parts)")
     summary = {"Psi (params)": psi, "steps (fastest taken)": args.steps}
+    for n, res in ((1, w1), (2, w2[0])):
+        got = res["bf16"] + res["master"] + res["state"]
+        summary[f"world {n}: model-state bytes per rank / (4+K)Psi/N + 2Psi"] = round(
+            got / ((4 + K_ADAMW) * psi / n + 2 * psi), 4)
     summary.update({f"world 2, {s}: elementwise backward + step (ms)": round(t * 1e3, 2)
                     for s, t in totals.items()})
     record("bench_optim", {"rows": rows, "summary": summary})

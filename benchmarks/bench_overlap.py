@@ -65,8 +65,9 @@ def _overhead_model(setting: str, modules: int, width: int) -> tuple[nn.Module, 
         return model, list(model.parameters()), None
     with partitioned():
         model = _tiny_stack(modules, width)
-    knobs = (dict(persistence_threshold=1 << 40) if setting == "persistent"
-             else dict(persistence_threshold=0, max_reuse_distance=0))
+    # fetch_unit_size=0: every Linear hooked on its own, so a step makes one hooked call per module
+    knobs = (dict(persistence_threshold=1 << 40, fetch_unit_size=0) if setting == "persistent"
+             else dict(persistence_threshold=0, max_reuse_distance=0, fetch_unit_size=0))
     return model, shards(model), attach(model, **knobs)
 
 

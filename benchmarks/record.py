@@ -40,9 +40,11 @@ def machine() -> dict[str, Any]:
 
 
 def command_line() -> str:
-    """The command that produced this run, as a user would retype it."""
+    """The command that produced this run, as a user would retype it (torchrun's when under it)."""
     script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "?"
-    return shlex.join(["python", script, *sys.argv[1:]])
+    nproc = os.environ.get("LOCAL_WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    launcher = ["torchrun", "--standalone", "--nproc-per-node", nproc] if nproc else ["python"]
+    return shlex.join([*launcher, script, *sys.argv[1:]])
 
 
 def record(bench: str, results: dict[str, Any], *, command: Optional[str] = None,

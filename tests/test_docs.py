@@ -78,8 +78,20 @@ def test_the_pages_have_python_blocks():
     assert len(BLOCKS) >= 10, [b[:2] for b in BLOCKS]
 
 
+OPTIONAL = {"transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
+            "parts.integrations": "accelerate"}  # the [hf] extra
+
+
+def _needs(source: str) -> list[str]:
+    """The optional libraries a block imports (skipped without them, as the [hf] tests are)."""
+    return sorted({lib for name, lib in OPTIONAL.items()
+                   if re.search(rf"^\s*(from|import) {re.escape(name)}\b", source, re.M)})
+
+
 @pytest.mark.parametrize("page,line,source", BLOCKS, ids=[f"{p}:{n}" for p, n, _ in BLOCKS])
 def test_block_runs(page: str, line: int, source: str, tmp_path: Path) -> None:
+    for lib in _needs(source):
+        pytest.importorskip(lib)
     name = f"{page}:{line}"
     world = world_of(source)
     if world:
