@@ -1,15 +1,18 @@
 """Reads of an attached model's weights between steps, and the one wrap it must not get.
 
 The rule. Between steps, a parameter the coordinator keeps gathered (a persistent one) holds
-its shard's current values: every optimizer ``step()`` (any ``torch.optim.Optimizer``, the
-parts wrappers included) is followed by a refresh of the ones it changed (core/steps.py,
-steps.py), and parts' own writers (``gathered(..., modifier_rank=...)``,
-``load_full_state_dict``, ``load_sharded_state_dict``) write the full tensor with the shard.
-A shard written any other way (``meta(p).shard.add_(...)`` outside an optimizer step) leaves
-the gathered copy stale until the next forward on every rank, or ``parts.partition.refresh
-(model)``; ``model.state_dict()`` raises meanwhile instead of returning it. A parameter not
-gathered between steps (more elements than ``persistence_threshold``) has no full value to
-read: ``model.state_dict()`` raises, naming ``full_state_dict``, the collective that reads it.
+its shard's current values (under ``MixedPrecision``, cast to ``param_dtype``): every optimizer
+``step()`` (any ``torch.optim.Optimizer``, the parts wrappers included) is followed by a refresh
+of the ones it changed (core/steps.py, steps.py), and parts' own writers
+(``gathered(..., modifier_rank=...)``, ``load_full_state_dict``, ``load_sharded_state_dict``)
+write the full tensor with the shard. A shard changed any other way (``meta(p).shard.add_(...)``
+outside an optimizer step, or a ``step()`` taken while a forward's step is still open) leaves
+the gathered copy stale until ``parts.partition.refresh(model)`` or the next step's start on
+every rank. ``model.state_dict()`` checks: it raises rather than return a stale value. Other
+reads (``named_parameters()``, a tensor the user kept) cannot be checked without a cost per op:
+for them the rule is the contract. A parameter not gathered between steps (more elements than
+``persistence_threshold``) has no full value to read: ``model.state_dict()`` raises, naming
+``full_state_dict``, the collective that reads it; any op on it raises (core/param.py).
 
 The wrap. ``DistributedDataParallel(model)`` would all-reduce full grads the coordinator
 already reduce-scatters, and read parameters that are released between steps. DDP reads
@@ -64,25 +67,26 @@ class ReadGuard:
         """Refuse ``state_dict()`` values that are not current: stale or not gathered."""
         if keep_vars:
             return
-        for m in self.table.records.values():
+        for pid, m in self.table.records.items():
             if m.status is not ParamStatus.AVAILABLE:
-                raise RuntimeError(_released_message(m, prefix))
+                raise RuntimeError(_released_message(m, prefix, pid in self.table.persistent))
             if is_stale(m):
                 raise RuntimeError(_stale_message(m, prefix))
 
 
-def _released_message(m: Any, prefix: str) -> str:
+def _released_message(m: Any, prefix: str, persistent: bool) -> str:
+    why = ("not gathered yet (the first forward gathers it for good)" if persistent else
+           "not gathered between steps (more elements than persistence_threshold)")
     return (f"parts.partition: {prefix or 'model.'}state_dict() reads full weights, but "
-            f"{m.describe()} is sharded over {m.world_size} ranks and not gathered between steps "
-            f"(more elements than persistence_threshold). Read the weights with "
-            f"parts.partition.full_state_dict(model) on every rank (Hugging Face: "
-            f"model.save_pretrained(path, state_dict=full_state_dict(model)) on rank 0 after it), "
-            f"or checkpoint with parts.partition.sharded_state_dict(model)")
+            f"{m.describe()} is sharded over {m.world_size} ranks and {why}. Read the weights "
+            f"with `state = parts.partition.full_state_dict(model)` on every rank (Hugging Face: "
+            f"then `model.save_pretrained(path, state_dict=state)` on rank 0), or checkpoint "
+            f"with parts.partition.sharded_state_dict(model)")
 
 
 def _stale_message(m: Any, prefix: str) -> str:
     return (f"parts.partition: {prefix or 'model.'}state_dict() would return a stale value of "
-            f"{m.describe()}: its shard was written outside an optimizer step since it was "
-            f"gathered. Call parts.partition.refresh(model) on every rank first (the next forward "
+            f"{m.describe()}: its shard changed since it was gathered and no refresh followed (a "
+            f"write outside an optimizer's step(), or a step() inside a forward or backward). Call parts.partition.refresh(model) on every rank first (the next forward "
             f"refreshes it too), or write shards inside an optimizer step or "
             f"`with parts.partition.gathered(params, modifier_rank=...)`")

@@ -23,7 +23,6 @@ from typing import Optional
 from torch import nn
 
 from parts._compat import in_backward
-from parts.base.weak import weak_method
 from parts.partition.core import steps as optimizer_steps
 from parts.partition.coordinator.debug import StepCheck
 from parts.partition.coordinator.flat import CURRENT, FALLBACK, INSTALL, REFILL, FlatGather
