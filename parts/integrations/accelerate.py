@@ -8,9 +8,9 @@ For a parts model both are parts' jobs, so here:
 - the model is attached (``parts.partition.attach``) unless it already is, with the
   accelerator's mixed precision: ``"no"`` -> none, ``"bf16"`` ->
   ``MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (fp32 shards are
-  the masters, bf16 on the wire and in compute, as accelerate does with FSDP2's
-  ``MixedPrecisionPolicy``); ``"fp16"`` and ``"fp8"`` raise. A model attached by the user
-  without bf16 under a ``"bf16"`` accelerator raises: it would train in fp32 silently.
+  the masters, bf16 on the wire and in compute; parameters cast, no autocast, as accelerate
+  does for FSDP2); ``"fp16"`` and ``"fp8"`` raise. A model attached by the user without bf16
+  under a ``"bf16"`` accelerator raises: it would train in fp32 silently.
 - the model is registered with the accelerator but neither DDP-wrapped nor autocast;
 - an optimizer built over ``model.parameters()`` steps the shards instead (``use_shards``);
 - ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` clips by the global norm over
@@ -137,8 +137,8 @@ class Accelerator(PartsAcceleratorMixin, accelerate.Accelerator):
 @functools.lru_cache(maxsize=None)
 def _with_mixin(cls: type) -> type:
     """``cls`` with ``PartsAcceleratorMixin`` first in its MRO (one class per accelerator class)."""
-    return type(cls.__name__, (PartsAcceleratorMixin, cls), {"__doc__": cls.__doc__,
-                                                              "__module__": cls.__module__})
+    return type(f"Parts{cls.__name__}", (PartsAcceleratorMixin, cls), {"__doc__": cls.__doc__,
+                                                                        "__module__": __name__})
 
 
 def adopt(accelerator: accelerate.Accelerator) -> accelerate.Accelerator:

@@ -22,7 +22,11 @@ included), it differs from transformers' ``Trainer`` only where a sharded model 
 - ``save_model`` gathers the current full weights to rank 0 (``full_state_dict``) and writes
   them with ``save_pretrained`` (``model.safetensors``), readable by ``from_pretrained``.
 
-``Seq2SeqTrainer`` is the same over ``transformers.Seq2SeqTrainer`` (``predict_with_generate``).
+``Seq2SeqTrainer`` is the same over ``transformers.Seq2SeqTrainer``: ``predict_with_generate``
+generates with ``synced_gpus=True`` at world > 1, so a rank whose sequences ended keeps
+joining the others' gathers (pass the same to ``model.generate`` in code of your own).
+Not honoured, and refused where accelerate sees them: ``fp16`` (use ``bf16``), ``fsdp`` /
+``deepspeed`` (the model is sharded already), ``model_init`` (pass a sharded ``model``).
 """
 
 from __future__ import annotations
@@ -86,8 +90,9 @@ class PartsTrainerMixin:
                             f"parts.partition.partitioned() or sharded by partition_module), got "
                             f"{type(model).__name__}; for a plain model use transformers.Trainer")
         self._parts_checkpointing = False
+        args = args if args is not None else transformers.TrainingArguments(output_dir="tmp_trainer")
         # attached before Trainer moves the model to its device: the coordinator owns placement
-        attach_with(model, args.mixed_precision if args is not None else None)
+        attach_with(model, args.mixed_precision)
         super().__init__(model, args, *rest, **kwargs)
         attach_for(self.accelerator, self.model)  # the accelerator agrees (ACCELERATE_MIXED_PRECISION)
 
@@ -105,9 +110,11 @@ class PartsTrainerMixin:
         return optimizer
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """Clip by the global norm over every rank's grad shards (p.grad of a sharded param is empty)."""
         return clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> float:
+        """The logged norm: the clipped one, else the global norm (no clipping)."""
         return float(grad_norm if grad_norm is not None else global_grad_norm(self.model))
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
@@ -118,7 +125,8 @@ class PartsTrainerMixin:
             self._parts_checkpointing = False
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """The current full weights (gathered to rank 0) as ``save_pretrained`` writes them."""
+        """The current full weights, gathered to rank 0 and written by ``save_pretrained`` there
+        (a collective: every rank calls it, as Trainer does)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self._parts_checkpointing:
             self._save_sharded_weights(output_dir)
@@ -135,6 +143,7 @@ class PartsTrainerMixin:
             config.save_pretrained(output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank's optimizer shard (DCP) and Trainer's scheduler file."""
         optimizer = _torch_optimizer(self.optimizer)
         state = sharded_optimizer_state_dict(self.model, optimizer)
         _dcp().save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
@@ -144,10 +153,12 @@ class PartsTrainerMixin:
             reissue_pt_warnings(caught)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
+        """The checkpoint's sharded weights, at this world size."""
         load_sharded_model(model if model is not None else self.model,
                            os.path.join(resume_from_checkpoint, MODEL_DIR))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """The checkpoint's optimizer state (resharded to this world size) and scheduler."""
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, OPTIMIZER_DIR)
@@ -163,6 +174,7 @@ class PartsTrainerMixin:
             reissue_pt_warnings(caught)
 
     def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's sharded weights."""
         load_sharded_model(self.model, os.path.join(self.state.best_model_checkpoint, MODEL_DIR))
 
 
@@ -173,10 +185,15 @@ class Trainer(PartsTrainerMixin, transformers.Trainer):
 class Seq2SeqTrainer(PartsTrainerMixin, transformers.Seq2SeqTrainer):
     """``transformers.Seq2SeqTrainer`` (``predict_with_generate``) for a model sharded by ``parts.partition``."""
 
-    def prediction_step(self, model: nn.Module, inputs: dict, prediction_loss_only: bool,
-                        ignore_keys: Optional[list] = None, **gen_kwargs: Any) -> tuple:
-        """Generate with ``synced_gpus``: every rank runs a forward (its gathers) until all are done."""
-        if not gen_kwargs and hasattr(self, "_gen_kwargs"):
-            gen_kwargs = self._gen_kwargs.copy()
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list] = None,
+                 metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict:
+        """``Seq2SeqTrainer.evaluate``, generating with ``synced_gpus`` at world > 1."""
         gen_kwargs.setdefault("synced_gpus", self.args.world_size > 1)
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys, **gen_kwargs)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+
+    def predict(self, test_dataset: Any, ignore_keys: Optional[list] = None, metric_key_prefix: str = "test",
+                **gen_kwargs: Any) -> Any:
+        """``Seq2SeqTrainer.predict``, generating with ``synced_gpus`` at world > 1: every rank runs a
+        forward (and its gathers) until the sequences of all ranks are done."""
+        gen_kwargs.setdefault("synced_gpus", self.args.world_size > 1)
+        return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
