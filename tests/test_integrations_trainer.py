@@ -23,7 +23,7 @@ from harness import run  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Seq2SeqTrainingArguments, TrainingArguments  # noqa: E402
 
 from parts.integrations.transformers import MODEL_DIR, OPTIMIZER_DIR, Seq2SeqTrainer, Trainer  # noqa: E402
-from parts.partition import full_state_dict, partitioned  # noqa: E402
+from parts.partition import full_state_dict, partition_module, partitioned  # noqa: E402
 
 VOCAB, SEQ = 97, 16
 
@@ -165,10 +165,19 @@ def test_trainer_logs_the_unsharded_grad_norm_evaluates_and_saves_current_full_w
 
 
 def _resume_at(out: str, checkpoint: str | None, batch: int) -> list:
-    trainer = Trainer(model=_model(dropout=0.0, seed=0 if checkpoint is None else 1),
-                      args=_args(out, per_device_train_batch_size=batch), train_dataset=Rows(72))
+    if checkpoint is None:
+        model = _model(dropout=0.0)
+    else:  # built whole and sharded afterwards: the checkpoint's weights replace its own
+        torch.manual_seed(1)
+        model = partition_module(GPT2LMHeadModel(_config(0.0)))
+    trainer = Trainer(model=model, args=_args(out, per_device_train_batch_size=batch), train_dataset=Rows(72))
     trainer.train(resume_from_checkpoint=checkpoint)
     return _logged(trainer, "loss")
+
+
+def test_trainer_takes_only_sharded_models() -> None:
+    with pytest.raises(TypeError, match="partitioned"):
+        Trainer(model=torch.nn.Linear(2, 2))
 
 
 def test_trainer_resumes_a_world_2_checkpoint_at_world_1(tmp_path) -> None:
