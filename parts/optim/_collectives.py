@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from parts.comm import GroupInfo, ReduceOp, all_gather, all_reduce, group_info, reduce_scatter
+from parts.comm import GroupInfo, ReduceOp, all_gather, all_reduce, global_rank, group_info, reduce_scatter
 
 from .layout import BucketPiece
 
@@ -97,7 +97,6 @@ def norm_group_infos(groups: Sequence[object]) -> list[GroupInfo]:
         try:
             infos.append(group_info(g, f"norm_groups[{i}]"))  # type: ignore[arg-type]
         except ValueError:
-            from parts.comm import global_rank
             raise ValueError(f"BF16Optimizer: norm_groups[{i}] does not contain this process "
                              f"(global rank {global_rank()}); pass groups this rank is in") from None
     return infos
