@@ -8,7 +8,9 @@
    of tiny ``nn.Linear`` layers so the hooks dominate. Median forward+backward step time of
    the plain model, of parts with every parameter persistent (hooks only, no fetch) and of
    parts fetching and releasing around every call; the difference to plain divided by the
-   hooked calls per step (forward and backward events of the coordinator's trace).
+   module calls per step (forward and backward of every Linear: the trace of the fetching
+   setting). With every parameter persistent no Linear is hooked, so that setting's cost is
+   the step's refresh and grad handling spread over the same calls.
 2. ``prefetch_hiding``: world 2, gloo. The all-gather of ``parts.partition.core.gather`` is
    replaced, inside each worker, by one that takes ``delay`` more seconds of wall time: a
    blocking call sleeps after the real one, an async call returns a handle whose ``wait()``
@@ -92,7 +94,7 @@ def _world_of_one() -> bool:
 
 def host_overhead(modules: int = 200, width: int = 16, batch: int = 4, steps: int = 40,
                   warmup: int = 3, fsdp2: bool = False) -> dict[str, dict]:
-    """Median step time per setting and the hook cost in µs per hooked submodule call (world 1);
+    """Median step time per setting and the added µs per module call (world 1);
     with ``fsdp2`` also FSDP2 with every Linear a unit, its cost per call over the same calls."""
     settings = SETTINGS + (("fsdp2",) if fsdp2 else ())
     started = _world_of_one() if fsdp2 else False
@@ -126,7 +128,7 @@ def _measure_overhead(settings: tuple, modules: int, width: int, batch: int, ste
         step = statistics.median(times[s])
         calls = coordinator.stats().trace_events if coordinator is not None else 0
         calls = same_calls if s == "fsdp2" else calls
-        per_call = (step - plain) / calls * 1e6 if calls else None
+        per_call = (step - plain) / same_calls * 1e6 if s != "plain" else None
         rows[s] = dict(step=step, calls=calls, per_call_us=per_call)
         if coordinator is not None:
             coordinator.detach()
@@ -279,14 +281,14 @@ def prefetch_hiding(delays: tuple = (0.0, 0.02), steps: int = 16, n_layer: int =
 def _print_overhead(rows: dict[str, dict], args: argparse.Namespace) -> list[dict]:
     print(f"\n### Host overhead: {args.modules} x Linear({args.width},{args.width}), batch "
           f"{args.batch_overhead}, world 1, median of {args.steps_overhead} steps\n")
-    print("| setting | step (ms) | hooked calls / step | hook cost (µs / call) |")
+    print("| setting | step (ms) | hooked calls / step | added per module call (µs) |")
     print("|---|---|---|---|")
     table = []
     for setting, row in rows.items():
         cost = "-" if row["per_call_us"] is None else f"{row['per_call_us']:.1f}"
         print(f"| {setting} | {row['step'] * 1e3:.2f} | {row['calls'] or '-'} | {cost} |")
         table.append({"setting": setting, "step_ms": round(row["step"] * 1e3, 2),
-                      "hooked_calls_per_step": row["calls"] or "-", "hook_us_per_call": cost})
+                      "hooked_calls_per_step": row["calls"] or "-", "added_us_per_module_call": cost})
     return table
 
 

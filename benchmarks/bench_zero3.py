@@ -244,11 +244,11 @@ def _print_overhead() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_overlap import host_overhead
     rows = host_overhead(fsdp2=True)
-    print("\nHost overhead per hooked submodule call (world 1: collectives are local copies; "
+    print("\nHost overhead per module call (world 1: collectives are local copies; "
           "200 x Linear(16, 16), bench_overlap.py; FSDP2: every Linear fully_shard, same calls):")
     for setting in ("persistent", "fetch_release", "fsdp2"):
         print(f"  {setting}: {rows[setting]['per_call_us']:.0f} µs")
-    return {f"host overhead per hooked call, {s} (µs)": round(rows[s]["per_call_us"]) for s in
+    return {f"host overhead per module call, {s} (µs)": round(rows[s]["per_call_us"]) for s in
             ("persistent", "fetch_release", "fsdp2")}
 
 
