@@ -54,8 +54,6 @@ from parts.offload import parking
 from parts.offload._batch import Batch, discard
 from parts.offload.spares import Spares
 
-__all__ = ["BackwardStep", "Steppable", "NORM_TYPES"]
-
 NORM_TYPES = (1.0, 2.0, math.inf)
 """The norm orders recorded for each grad a step during backward consumes."""
 

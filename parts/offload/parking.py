@@ -33,11 +33,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
 from parts.offload.store import DiskStore, IOHandle
 
-__all__ = ["Parked", "STAGED", "park", "parked", "prefetch", "load", "drop", "release", "hold", "unhold",
-           "ready", "save", "commit", "unstage", "is_resident",
-           "version", "overwrite", "replace", "accumulate_grad", "load_grad", "has_grad", "clear_grad",
-           "empty_for_io"]
-
 _ATTR = "_parts_parked"
 STAGED = "~staged"
 """Suffix of the store key a staged save writes to (``commit`` renames it to the tensor's key)."""

@@ -45,8 +45,6 @@ from parts.comm import GroupArg, GroupInfo, broadcast, resolve_group
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
-__all__ = ["partitioned", "partition_module", "shard_new", "on_sharded"]
-
 _SPEC, _DISABLED, _NAME, _HOOK = "_parts_spec", "_parts_disabled", "_parts_name", "_parts_check_hook"
 
 

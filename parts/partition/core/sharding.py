@@ -25,8 +25,6 @@ from parts.base.layout import ShardLayout
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, attach_meta,
                                    empty_like_released, is_partitioned, stamp)
 
-__all__ = ["ShardSpec", "shard_params", "reshard", "write_shard"]
-
 _ALIGN = 16  # byte alignment of each tensor in a packed byte buffer
 _ids = {"next": 0}  # creation-order ids; synchronised from group rank 0 at every shard call
 

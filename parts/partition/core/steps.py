@@ -34,8 +34,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from parts.partition.core.grad_guard import ATTR as _ATTR
 
-__all__ = ["watch", "install", "listen", "unlisten"]
-
 _links = WeakIdKeyDictionary()
 """Shard -> weak reference to its record. Process-wide because the hook below is; it
 configures nothing and forgets shards (keys) and records (values) that are gone."""
