@@ -61,7 +61,7 @@ def test_sharded_fp32_params_are_checked_too() -> None:
 
 
 def test_allow_fp32_steps_fp32_params_exactly() -> None:
-    """fp32 params opt in: SGD moves master and param by exactly lr * grad, as before the check."""
+    """fp32 params opt in: SGD moves master and param by exactly lr * grad."""
     torch.manual_seed(1)
     model = nn.Linear(5, 3)
     opt = sgd(model.parameters(), allow_fp32=True, clip_grad=0.0)

@@ -19,7 +19,7 @@ into the storage of the next tensor of that size; the storage object stays the t
 ``capacity`` bounds the bytes held: a new block evicts the oldest ones until it fits (a block
 larger than ``capacity`` is not kept). ``newest_first`` says which of several blocks of one
 size a take gets. Off the CPU, or on a torch that cannot move memory between storages,
-nothing is kept and the caller allocates as before.
+nothing is kept and the caller allocates afresh.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ No ``torch.distributed`` here: the checks read the saved dicts and the model's p
 names and shapes only, so a bad checkpoint raises before the optimizer is touched.
 
 Dtype rule: the fp32 master and every tensor of optimizer state (per-element or not) must be
-floating point (a floating dtype other than fp32 is widened or kept as saved, as before); an
+floating point (a floating dtype other than fp32 is widened or kept as saved); an
 integer or bool tensor there is an error. The one exception is the ``step`` counter, which
 torch optimizers keep as a float or an integer: any real (non-bool, non-complex) dtype loads.
 """

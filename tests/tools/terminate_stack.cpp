@@ -1,6 +1,6 @@
 // Native stack of a "terminate called ..." abort at exit: an LD_PRELOAD library whose
 // constructor installs a std::terminate handler that prints the calling thread's name and its
-// backtrace (demangled where the symbol is exported) to stderr, then aborts as before.
+// backtrace (demangled where the symbol is exported) to stderr, then aborts.
 //
 //   g++ -O0 -g -shared -fPIC -o /tmp/libterm.so tests/tools/terminate_stack.cpp
 //   LD_PRELOAD=/tmp/libterm.so PYTHONFAULTHANDLER=1 torchrun --standalone --nproc-per-node 2 job.py

@@ -21,7 +21,7 @@ disk) are handled as one:
 The results are bitwise those of the per-parameter path (the same elements summed in the
 same rank order, the same bytes counted). Whatever this does not cover (a parameter released
 or gathered again elsewhere, held by a running module, a shard replaced, a parameter without
-a grad this backward) goes the per-parameter way for that step, as before.
+a grad this backward) goes the per-parameter way for that step.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class FlatGather:
         if self.broken:
             return FALLBACK
         if [id(m.shard) for m in self.records] != self.shard_ids:
-            self.broken = True  # a shard was replaced (another dtype, device): as before from now
+            self.broken = True  # a shard was replaced (another dtype, device): per parameter from now on
             return FALLBACK
         placed = self.placed()
         if placed and memory_versions(self.records) == [m.full_version for m in self.records]:
