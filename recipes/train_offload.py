@@ -4,7 +4,8 @@
     torchrun --standalone --nproc-per-node 2 recipes/train_offload.py --params 350M --steps 8
 
 Every rank keeps its parameter shards, their grads and AdamW's two moments in a
-``parts.offload.DiskStore`` (scratch files under ``--store``, removed at exit): the model is
+``parts.offload.DiskStore`` (scratch files under ``--store``, printed at start, removed at exit
+or on SIGTERM; a later run reclaims the ones a killed run left): the model is
 built under ``partitioned(remote_device=store)`` (each module's shards go to disk right after
 its ``__init__``), ``attach`` gathers two blocks at most, reading shards ahead along its
 trace, and ``OffloadedOptimizer(AdamW)`` steps each parameter during backward, as soon as
@@ -41,23 +42,28 @@ PRESETS = {  # name: (n_layer, n_embd, n_head); parameters about 12 * n_layer * 
 GiB = 2**30
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default."""
+
+
 def parse_args() -> argparse.Namespace:
     """Flags; the defaults train the 1.7B model for a few steps in under 15 minutes on 2 cores."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     add = ap.add_argument
-    add("--params", choices=sorted(PRESETS, key=lambda k: PRESETS[k][0] * PRESETS[k][1] ** 2), default="1.7B")
+    add("--params", choices=sorted(PRESETS, key=lambda k: PRESETS[k][0] * PRESETS[k][1] ** 2), default="1.7B",
+        help="model size (parameters)")
     add("--store", default="/tmp/parts-offload", help="directory of the per-rank scratch stores")
-    add("--seq-len", type=int, default=16)
+    add("--seq-len", type=int, default=16, help="tokens per sequence")
     add("--batch-size", type=int, default=1, help="sequences per rank per step")
-    add("--steps", type=int, default=4)
-    add("--lr", type=float, default=None, help="peak LR (default: lr_for(model), scaled to width x depth)")
+    add("--steps", type=int, default=4, help="optimizer steps")
+    add("--lr", type=float, default=None, help="peak LR; None: lr_for(model), scaled to width x depth")
     add("--warmup", type=int, default=3, help="steps of linear LR warm-up (Adam's first steps are sign steps)")
     add("--in-memory", action="store_true", help="shards and state in memory (a comparison at small --params)")
     add("--after-backward", action="store_true",
         help="step the offloaded optimizer after backward (grads to disk and back), not during it")
-    add("--seed", type=int, default=1234)
+    add("--seed", type=int, default=1234, help="seed of the weights and the batches")
     add("--chunk-mib", type=int, default=256, help="optimizer chunk (parameter + grad + state bytes)")
-    add("--io-threads", type=int, default=4)
+    add("--io-threads", type=int, default=4, help="IO threads per rank's store")
     add("--inflight-mib", type=int, default=256, help="cap on bytes of store transfers outstanding")
     return ap.parse_args()
 
@@ -180,7 +186,9 @@ def main() -> None:
     dist.barrier()
     store = DiskStore(os.path.join(args.store, f"rank{rank}"), threads=args.io_threads,
                       max_inflight_bytes=args.inflight_mib << 20)
+    directories = all_gather_objects(store.directory)
     if rank == 0:
+        print("scratch stores (removed at exit): " + ", ".join(directories), flush=True)
         where = "partitioned() in memory" if args.in_memory else "partitioned(remote_device=store)"
         print(f"store: {store.mode}; building {args.params} under {where}; AdamW lr "
               f"{args.lr or lr_for(config_of(args)):.2e} ({max(args.warmup, 1)}-step warm-up), "

@@ -157,6 +157,7 @@ def check_train_offload(out: str, workdir: Path) -> None:
     (before, after), = rows(r"^step 1's batch: loss before -> after training\s+([\d.]+) -> ([\d.]+)", out)
     assert float(before) == losses[0] and float(after) < float(before), out  # it learned
     assert "parts.offload (on disk)" in out and "store per rank" in out
+    assert f"scratch stores (removed at exit): {workdir}/store/rank0/parts-store-" in out, out
     leftovers = [p for p in (workdir / "store").rglob("*") if p.is_file()]
     assert leftovers == [], leftovers  # the scratch files are gone at exit
 

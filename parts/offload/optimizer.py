@@ -153,8 +153,9 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
             if not self._agree_finite(finite):
                 self._skip()
                 return loss
-            behind = self.backward_step.commit()  # its writes in flight join the last step's
-            behind.absorb(self._behind or _Batch())
+            behind = self.backward_step.commit()  # its writes in flight are left behind
+            if self._behind is not None:  # the last step's: they had this forward and backward
+                self._behind.finish()
             self._behind = behind
         self.backward_step.drop_reads()
         if not early:
