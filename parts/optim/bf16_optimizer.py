@@ -353,7 +353,7 @@ class BF16Optimizer(OptimizerWrapper):
         """The full fp32 master of ``p``, gathered across ranks (a collective: call on every rank)."""
         return ckpt.full_param_tensor(self, p, None)
 
-    def full_state(self, p: torch.Tensor, key: str) -> Any:
+    def full_state(self, p: torch.Tensor, key: str) -> ckpt.StateValue:
         """The full optimizer state ``key`` of ``p`` gathered across ranks (collective)."""
         return ckpt.full_param_tensor(self, p, key)
 

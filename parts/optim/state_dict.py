@@ -10,7 +10,7 @@ tensors, numbers, strings, lists, tuples and dicts: ``torch.load(weights_only=Tr
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +24,8 @@ from .flat_group import FlatGroup
 from .masters import Masters
 from .reader import FORMAT, Reader, Source
 from .sharded import ShardedParam
+
+StateValue = Union[torch.Tensor, float, int]  # a state tensor, or a scalar such as a step count
 
 
 def flat_state(inner: torch.optim.Optimizer, fg: FlatGroup) -> dict:
@@ -273,7 +275,7 @@ def _saved_shard(reader: Reader, s: ShardedParam, key: Optional[str], rank: int)
     return out
 
 
-def full_param_tensor(opt: Masters, p: torch.Tensor, key: Optional[str]) -> Any:
+def full_param_tensor(opt: Masters, p: torch.Tensor, key: Optional[str]) -> StateValue:
     """Full fp32 master (``key`` None) or state ``key`` of ``p`` gathered across ranks."""
     opt.sync_masters()
     kind, g, i = opt.locate(p)
