@@ -8,12 +8,23 @@ A mixin of ``OffloadedOptimizer``: it uses the optimizer's ``optimizer``, ``stor
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from parts.offload import parking
 from parts.offload.lease import Stored
+
+
+@dataclass
+class Snapshot:
+    """What a step during backward changes of one parameter outside the store, kept until it
+    commits: its small in-memory state entries and the names of its state tensors in the store
+    (None: it had none)."""
+
+    state: Optional[dict[str, Any]]
+    placed: Optional[dict[str, tuple[torch.Size, torch.dtype]]]
 
 
 class StateAccess:

@@ -10,13 +10,9 @@ three-stage pipeline: the reads of chunk k+1 are in flight while chunk k is step
 chunk k's writes run while chunk k+1 is stepped; chunk k-1's memory is freed once its
 writes finished, so at most three chunks are held. Inside ``step_in_backward()`` each
 parked parameter is stepped during backward instead, as its grad lands
-(``parts.offload.backward_step``), and ``step()`` finishes. Such a step is a transaction:
-its writes go to staged keys (the old values and state stay in the store) and ``step()``
-commits them (a rename in the store, no bytes move) once every grad landed and the ranks of
-``group`` agree that all are finite; a non-finite grad rolls the step back and counts it in
-``skipped_steps``, as does an exception during that backward or ``zero_grad()`` before
-``step()``. The methods under "the backward step's interface" are what
-``parts.offload.backward_step`` uses.
+(``parts.offload.backward_step``, through the methods under "the backward step's
+interface"), and ``step()`` finishes: a transaction, committed once the ranks of ``group``
+agree every grad is finite, else rolled back (module docstring of ``backward_step``).
 
 The pipeline runs across steps (``across_steps=True``, the default): ``step()`` returns with
 the last chunk's writes still in flight (*behind*) and the state of the next step's first
@@ -40,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -49,7 +44,7 @@ from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ReduceOp, all_reduce, group_info
 from parts.offload import parking
 from parts.offload._batch import Batch as _Batch, discard as _discard
-from parts.offload._optim_state import StateAccess
+from parts.offload._optim_state import Snapshot, StateAccess
 from parts.offload.backward_step import BackwardStep
 from parts.offload.plan import plan_chunks
 from parts.offload.spares import Spares
@@ -62,16 +57,6 @@ logger = logging.getLogger("parts.offload")
 AHEAD_CHUNKS = 2
 """Chunks whose state a step reads ahead for the next one: the most within three chunks (see
 the module docstring)."""
-
-
-@dataclass
-class Snapshot:
-    """What a step during backward changes of one parameter outside the store, kept until it
-    commits: its small in-memory state entries and the names of its state tensors in the store
-    (None: it had none)."""
-
-    state: Optional[dict[str, Any]]
-    placed: Optional[dict[str, tuple[torch.Size, torch.dtype]]]
 
 
 class OffloadedOptimizer(StateAccess, OptimizerWrapper):
@@ -134,8 +119,12 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         writes run beside backward's compute. Call ``step()`` after that backward (it steps the
         rest and finishes); use it around the last micro-batch's backward only. The landed grads
         are consumed by the step, as if ``zero_grad()`` followed it (grads of earlier micro-batches
-        in the store are added first). Not with ``BF16Optimizer``: its global norm and overflow
-        check need every grad before any parameter steps."""
+        in the store are added first). The step commits in ``step()`` if every rank's grads are
+        finite, else it is rolled back and counted in ``skipped_steps``; an exception during the
+        backward or ``zero_grad()`` rolls it back too. The old values and state stay in the store
+        until the commit (the stepped parameters take twice their bytes on disk meanwhile).
+        ``grad_norm`` counts the consumed grads; a clip cannot scale them. Not with
+        ``BF16Optimizer``: its global norm and overflow check need every grad before any step."""
         return self.backward_step.session()
 
     @torch.no_grad()
