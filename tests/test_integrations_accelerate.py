@@ -112,3 +112,56 @@ def test_mixed_precision_without_a_parts_counterpart_raises() -> None:
     for mode in ("fp16", "fp8"):
         with pytest.raises(ValueError, match=f"mixed_precision='{mode}' has no parts counterpart"):
             mixed_precision_policy(mode)
+
+
+def _steps(accelerator, model, optimizer, schedule, batches) -> list:
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _prepared(accelerator, seed: int) -> tuple:
+    torch.manual_seed(seed)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.1, total_iters=4)
+    loader = torch.utils.data.DataLoader(_rows(4 * 2 * 4), batch_size=4)
+    return prepare(accelerator, model, optimizer, schedule, loader)
+
+
+def _save_then_load(out: str) -> dict:
+    from parts.partition import full_state_dict
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _fresh_state()
+    try:
+        accelerator = Accelerator(cpu=True)
+        model, optimizer, schedule, loader = _prepared(accelerator, 0)
+        batches = list(loader)
+        first = _steps(accelerator, model, optimizer, schedule, batches[:2])
+        location = accelerator.save_state(out)
+        later = _steps(accelerator, model, optimizer, schedule, batches[2:])
+        final = full_state_dict(model, rank0_only=False)
+        again = Accelerator(cpu=True)
+        model2, optimizer2, schedule2, loader2 = _prepared(again, 1)
+        again.load_state(location)
+        resumed = _steps(again, model2, optimizer2, schedule2, list(again.skip_first_batches(loader2, 2)))
+        resumed_final = full_state_dict(model2, rank0_only=False)
+    finally:
+        _fresh_state()
+    return dict(first=first, later=later, resumed=resumed, files=sorted(os.listdir(location)),
+                same_weights=all(torch.equal(resumed_final[k], v) for k, v in final.items()))
+
+
+def test_accelerate_save_state_holds_every_rank_shard_and_load_state_resumes_identically(tmp_path) -> None:
+    for got in run(2, _save_then_load, str(tmp_path / "state"), timeout=120):
+        assert {"parts_model_0", "parts_optimizer_0_0"} <= set(got["files"])
+        assert not any(f.startswith("model") for f in got["files"])  # no rank-0 state_dict of the parts model
+        assert len(got["later"]) == 2 and got["resumed"] == got["later"]  # bitwise
+        assert got["same_weights"]

@@ -14,10 +14,16 @@ For a parts model both are parts' jobs, so here:
 - the model is registered with the accelerator but neither DDP-wrapped nor autocast;
 - an optimizer built over ``model.parameters()`` steps the shards instead (``use_shards``);
 - ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` clips by the global norm over
-  every rank's grad shards (``parts.partition.clip_grad_norm_``).
+  every rank's grad shards (``parts.partition.clip_grad_norm_``);
+- ``accelerator.get_state_dict(model)`` is the full weights on rank 0 (``full_state_dict``);
+- ``accelerator.save_state(dir)`` writes the model and its optimizers sharded (DCP
+  directories ``parts_model_<i>/``, ``parts_optimizer_<i>_<j>/``: every rank's shard, loadable
+  at any world size) beside accelerate's own files (schedulers, RNG, samplers), and
+  ``accelerator.load_state(dir)`` loads them back (accelerate alone would write rank 0's
+  ``state_dict`` and optimizer shard only).
 
-All of it lives in ``PartsAcceleratorMixin``, which overrides accelerate's public
-``prepare_model``, ``prepare_optimizer`` and ``clip_grad_norm_``. Use ``Accelerator`` (a
+All of it lives in ``PartsAcceleratorMixin``, which overrides accelerate's public methods of
+those names and uses its public save/load hooks. Use ``Accelerator`` (a
 drop-in ``accelerate.Accelerator``), or keep your own accelerator and call
 ``prepare(accelerator, ...)``, which gives it the mixin (``adopt``) the way
 ``torch.nn.utils.parametrize`` gives a module its parametrized class. Everything else
@@ -33,14 +39,19 @@ drop-in ``accelerate.Accelerator``), or keep your own accelerator and call
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Iterable, Optional
 
 import accelerate
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import nn
 
-from parts.partition import MixedPrecision, attach, clip_grad_norm_, is_partitioned, use_shards
+from parts.integrations.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
+                                           save_sharded_optimizer)
+from parts.partition import (MixedPrecision, attach, clip_grad_norm_, full_state_dict, is_partitioned, meta,
+                             use_shards)
 from parts.partition.coordinator import FetchCoordinator, attached_to
 
 __all__ = ["Accelerator", "PartsAcceleratorMixin", "adopt", "prepare", "attach_for", "attach_with",
@@ -95,8 +106,41 @@ def _holds_sharded(optimizer: torch.optim.Optimizer) -> bool:
     return any(is_partitioned(p) for group in optimizer.param_groups for p in group["params"])
 
 
+class _Checkpointing:
+    """The parts models and optimizers an accelerator prepared, for its ``save_state`` / ``load_state``."""
+
+    def __init__(self, accelerator: accelerate.Accelerator) -> None:
+        self.models: list = []
+        self.optimizers: list = []  # the torch optimizers (under accelerate's wrappers) over their shards
+        self.saving = False
+        accelerator.register_save_state_pre_hook(self.drop_weights)
+        accelerator.register_load_state_pre_hook(self.drop_models)
+
+    def owns(self, model: Any) -> bool:
+        return any(model is m for m in self.models)
+
+    def drop_weights(self, models: list, weights: list, output_dir: str) -> None:
+        """accelerate's save hook: parts models are saved sharded (DCP), not as rank 0's state_dict."""
+        for i in reversed(range(len(weights))):
+            if self.owns(models[i]):
+                del weights[i]
+
+    def drop_models(self, models: list, input_dir: str) -> None:
+        """accelerate's load hook: parts models are loaded from their DCP directory instead."""
+        models[:] = [m for m in models if not self.owns(m)]
+
+
+def _checkpointing(accelerator: Any) -> _Checkpointing:
+    """The accelerator's record of parts models (made, and its hooks registered, on first use)."""
+    record = accelerator.__dict__.get("_parts_checkpointing")
+    if record is None:
+        record = accelerator.__dict__["_parts_checkpointing"] = _Checkpointing(accelerator)
+    return record
+
+
 class PartsAcceleratorMixin:
-    """accelerate's public ``prepare_model`` / ``prepare_optimizer`` / ``clip_grad_norm_`` for parts models."""
+    """accelerate's public ``prepare_model`` / ``prepare_optimizer`` / ``clip_grad_norm_`` /
+    ``get_state_dict`` / ``save_state`` / ``load_state`` for parts models."""
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -107,6 +151,9 @@ class PartsAcceleratorMixin:
             raise ValueError(f"parts: {type(model).__name__} is already sharded by parts; launch without "
                              f"accelerate's {self.distributed_type} plugin (plain multi-process)")
         attach_for(self, model)
+        record = _checkpointing(self)
+        if not record.owns(model):
+            record.models.append(model)
         # accelerate's evaluation mode registers the model and skips the DDP wrap; native_amp off
         # because the coordinator's MixedPrecision, not autocast, sets the compute dtype
         amp, self.native_amp = self.native_amp, False
@@ -117,8 +164,10 @@ class PartsAcceleratorMixin:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
         """An optimizer over ``model.parameters()`` of a parts model steps its shards instead."""
-        if _holds_sharded(optimizer):
-            use_shards(optimizer)
+        inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+        if _holds_sharded(inner):
+            use_shards(inner)
+        _checkpointing(self).optimizers.append(inner)  # save_state keeps those over a parts model's shards
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -128,6 +177,48 @@ class PartsAcceleratorMixin:
         if any(is_partitioned(p) for p in params):
             return clip_grad_norm_(params, max_norm, norm_type)
         return super().clip_grad_norm_(params, max_norm, norm_type)
+
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+        """A parts model's full weights (gathered to rank 0, ``full_state_dict``): what ``save_pretrained`` takes."""
+        if not is_parts_model(self.unwrap_model(model) if unwrap else model):
+            return super().get_state_dict(model, unwrap=unwrap)
+        if _checkpointing(self).saving:
+            return {}  # save_state writes it sharded instead (drop_weights removes this entry)
+        return full_state_dict(model)
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """accelerate's checkpoint, with each parts model and its optimizers saved sharded (DCP), every rank's
+        shard: ``parts_model_<i>/`` and ``parts_optimizer_<i>_<j>/`` beside accelerate's files."""
+        record = _checkpointing(self)
+        record.saving = True
+        try:
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            record.saving = False
+        for i, model in enumerate(record.models):
+            save_sharded_model(model, os.path.join(location, f"parts_model_{i}"))
+            for j, optimizer in enumerate(_optimizers_of(model, record.optimizers)):
+                save_sharded_optimizer(model, optimizer, os.path.join(location, f"parts_optimizer_{i}_{j}"))
+        return location
+
+    def load_state(self, input_dir: Optional[str] = None, **kwargs: Any) -> None:
+        """accelerate's ``load_state``, then each parts model and its optimizers from their DCP directories
+        (written at any world size; accelerate's optimizer file holds rank 0's shard only)."""
+        record = _checkpointing(self)
+        if record.models and input_dir is None:
+            raise ValueError("load_state: pass input_dir (the directory save_state returned) for a parts model")
+        super().load_state(input_dir, **kwargs)
+        for i, model in enumerate(record.models):
+            load_sharded_model(model, os.path.join(input_dir, f"parts_model_{i}"))
+            for j, optimizer in enumerate(_optimizers_of(model, record.optimizers)):
+                load_sharded_optimizer(model, optimizer, os.path.join(input_dir, f"parts_optimizer_{i}_{j}"))
+
+
+def _optimizers_of(model: nn.Module, optimizers: list) -> list:
+    """Those of ``optimizers`` that step shards of ``model``."""
+    mine = {id(meta(p).shard) for p in model.parameters() if is_partitioned(p)}
+    return [o for o in optimizers if any(id(p) in mine for group in o.param_groups for p in group["params"])]
 
 
 class Accelerator(PartsAcceleratorMixin, accelerate.Accelerator):

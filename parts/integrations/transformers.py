@@ -43,42 +43,20 @@ from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 from parts.integrations.accelerate import adopt, attach_for, attach_with, is_parts_model
+from parts.integrations.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
+                                           save_sharded_optimizer)
+from parts.partition import clip_grad_norm_, full_state_dict, is_partitioned, use_shards
 from parts.partition import grad_norm as global_grad_norm
-from parts.partition import (clip_grad_norm_, full_state_dict, is_partitioned, load_sharded_optimizer_state_dict,
-                             load_sharded_state_dict, sharded_optimizer_state_dict, sharded_state_dict,
-                             use_shards)
 
-__all__ = ["Trainer", "Seq2SeqTrainer", "PartsTrainerMixin", "MODEL_DIR", "OPTIMIZER_DIR",
-           "save_sharded_model", "load_sharded_model"]
+__all__ = ["Trainer", "Seq2SeqTrainer", "PartsTrainerMixin", "MODEL_DIR", "OPTIMIZER_DIR"]
 
 MODEL_DIR = "parts_model"  # a checkpoint's DCP directory of the model's weights
 OPTIMIZER_DIR = "parts_optimizer"  # ... and of the optimizer's state, every rank's shard
 
 
-def _dcp() -> Any:
-    """``parts.comm.dcp``, imported on first use (torch.distributed.checkpoint takes seconds)."""
-    from parts.comm import dcp
-    return dcp
-
-
 def _torch_optimizer(optimizer: Any) -> Any:
     """The optimizer under accelerate's wrapper (what ``sharded_optimizer_state_dict`` reads)."""
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
-
-
-def save_sharded_model(model: nn.Module, path: str) -> None:
-    """Every rank writes its shards of ``model`` into the DCP directory ``path`` (a collective)."""
-    _dcp().save(sharded_state_dict(model), checkpoint_id=path)
-
-
-def load_sharded_model(model: nn.Module, path: str) -> None:
-    """Load the DCP directory ``path`` (written at any world size) into ``model``'s shards."""
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"parts Trainer: no model checkpoint at {path} (a DCP directory written by "
-                                f"parts.integrations.transformers.Trainer)")
-    state = sharded_state_dict(model)
-    _dcp().load(state, checkpoint_id=path)
-    load_sharded_state_dict(model, state)
 
 
 class PartsTrainerMixin:
@@ -144,9 +122,7 @@ class PartsTrainerMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank's optimizer shard (DCP) and Trainer's scheduler file."""
-        optimizer = _torch_optimizer(self.optimizer)
-        state = sharded_optimizer_state_dict(self.model, optimizer)
-        _dcp().save(state, checkpoint_id=os.path.join(output_dir, OPTIMIZER_DIR))
+        save_sharded_optimizer(self.model, _torch_optimizer(self.optimizer), os.path.join(output_dir, OPTIMIZER_DIR))
         if self.args.should_save:
             with warnings.catch_warnings(record=True) as caught:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -163,10 +139,7 @@ class PartsTrainerMixin:
             return
         path = os.path.join(checkpoint, OPTIMIZER_DIR)
         if os.path.isdir(path):  # save_only_model checkpoints hold none
-            optimizer = _torch_optimizer(self.optimizer)
-            state = sharded_optimizer_state_dict(self.model, optimizer)
-            _dcp().load(state, checkpoint_id=path)
-            load_sharded_optimizer_state_dict(self.model, optimizer, state)
+            load_sharded_optimizer(self.model, _torch_optimizer(self.optimizer), path)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             with warnings.catch_warnings(record=True) as caught:
