@@ -21,7 +21,7 @@ import torch.distributed as dist
 from harness import run
 from test_coordinator_models import batch
 from test_offload_partition import KNOBS, _build
-from parts.offload import DiskStore, OffloadedOptimizer
+from parts.offload import DiskStore, OffloadedOptimizer, parking
 from parts.offload._ioqueue import Op
 from parts.partition import attach, clip_grad_norm_, detach, full_state_dict, grad_norm, shards
 
@@ -176,6 +176,8 @@ def _fail_on_disk(ref, off, opt, step: int, fault: str) -> dict:
         seen["norm"] = float(grad_norm(off))
         opt.step()
     opt.zero_grad()
+    staged = [k for k in opt.store.keys() if k.endswith(parking.STAGED)]
+    seen["clean"] = (sum(parking.parked(p).holds for p in shards(off)), staged)  # nothing held or staged
     seen["kept_weights"] = _same_weights(ref, off)
     return seen
 
@@ -183,12 +185,14 @@ def _fail_on_disk(ref, off, opt, step: int, fault: str) -> dict:
 def test_exception_in_backward_rolls_the_step_back(tmp_path):
     for seen in run(2, body_transaction, str(tmp_path), "raise", timeout=FAST):
         assert seen["raised"] and seen["kept_weights"] and seen["skipped"] == 0
+        assert seen["clean"] == (0, []), seen["clean"]
         assert seen["same_losses"] and seen["same_weights"]
 
 
 def test_non_finite_grad_skips_the_step_in_backward(tmp_path):
     for seen in run(2, body_transaction, str(tmp_path), "nan", timeout=FAST):
         assert seen["finite_loss"] and not math.isfinite(seen["norm"]) and seen["kept_weights"]
+        assert seen["clean"] == (0, []), seen["clean"]
         assert seen["skipped"] == 1 and seen["reported"] >= 1
         assert seen["same_losses"] and seen["same_weights"]
 
