@@ -123,11 +123,16 @@ def _plain(state: dict) -> GPT2LMHeadModel:
 def _norm_eval_save(out: str) -> dict:
     from safetensors.torch import load_file
 
+    from parts.partition import attach
+    from parts.partition.coordinator import attached_to
+
     model = _model(dropout=0.0)
+    coordinator = attach(model)  # attached by the user: the Trainer keeps it
     initial = _full(model)
     trainer = Recording(model=model, args=_args(out, max_steps=2, max_grad_norm=0.5), train_dataset=Rows(16),
                         eval_dataset=Rows(16, seq_len=12))
     trainer.train()
+    kept = attached_to(model) is coordinator and trainer.model_wrapped is model  # no DDP around it
     batch = _global(trainer.seen[0])  # step 1's global batch on the unsharded model
     reference = _plain(initial)
     # Trainer divides the summed token losses by the label count over every rank (all 16 per row
@@ -146,7 +151,7 @@ def _norm_eval_save(out: str) -> dict:
     dist.barrier()  # rank 0 wrote it
     saved = load_file(os.path.join(out, "final", "model.safetensors"))
     loaded = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).state_dict()
-    return dict(logged_loss=_logged(trainer, "loss")[0], loss=loss.item(), logged_norm=_logged(trainer, "grad_norm")[0],
+    return dict(kept=kept, logged_loss=_logged(trainer, "loss")[0], loss=loss.item(), logged_norm=_logged(trainer, "grad_norm")[0],
                 norm=norm.item(), eval_loss=metrics["eval_loss"], ref_eval_loss=eval_loss.item(),
                 saved_keys_equal=all(torch.equal(v, final[k]) for k, v in saved.items()),
                 loaded_equal=sorted(loaded) == sorted(final) and all(torch.equal(loaded[k], final[k]) for k in final),
@@ -155,6 +160,7 @@ def _norm_eval_save(out: str) -> dict:
 
 def test_trainer_logs_the_unsharded_grad_norm_evaluates_and_saves_current_full_weights(tmp_path) -> None:
     for got in run(2, _norm_eval_save, str(tmp_path), timeout=120):
+        assert got["kept"]
         # the global norm sums per-shard squares in another order than torch's per-tensor norms
         assert got["logged_norm"] == pytest.approx(got["norm"], rel=1e-5)
         assert got["norm"] > 0.5  # max_grad_norm clipped step 1
