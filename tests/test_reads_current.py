@@ -133,15 +133,15 @@ def test_reads_after_a_step_are_the_stepped_values(knobs: str, kind: str, tmp_pa
             assert out["state_dict_error"] is None and n_state == n_named == n_full == 7 and not released
 
 
-def _count_case() -> list[int]:
-    """All-gathers per training iteration (step, forward, backward) of an all-persistent model."""
+def _count_case(threshold: int) -> list[int]:
+    """All-gathers per training iteration (forward, backward, step, a read of the weights)."""
     from parts.comm import comm_counter
     from parts.partition import attach, partitioned, shards
     rank = dist.get_rank()
     torch.manual_seed(0)
     with partitioned():
         model = Net()
-    attach(model)
+    attach(model, persistence_threshold=threshold)
     opt = torch.optim.AdamW(shards(model), lr=1e-2)
     counts = []
     for step in range(4):
@@ -149,17 +149,22 @@ def _count_case() -> list[int]:
         model(_batch(step, rank)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        model.state_dict()
+        if threshold == 100_000:  # every value is gathered: the read is local
+            model.state_dict()
         counts.append(comm_counter.allgather_calls - before)
     return counts
 
 
-def test_refresh_after_step_adds_no_collective() -> None:
-    # the first iteration gathers the persistent parameters at its start and refreshes them after
-    # its step; from then on each step's refresh is the only all-gather, where the next forward
-    # would otherwise have done it
-    for counts in run(2, _count_case):
-        assert counts == [2, 1, 1, 1]
+@pytest.mark.parametrize("threshold,steady", [(100_000, 1), (300, 2), (0, 1)])
+def test_refresh_after_step_adds_no_collective(threshold: int, steady: int) -> None:
+    # from the second iteration on, the refresh after the step is the all-gather of the
+    # persistent parameters the next step's start would otherwise have done: all persistent,
+    # it is the only one; with the weights fetched per pass, one more (the counts the refresh
+    # at a step's start gave); with no persistent parameter, nothing to refresh
+    for counts in run(2, _count_case, threshold):
+        assert counts[1:] == [steady] * 3
+        if threshold == 100_000:  # the first one gathers at its start, then refreshes after its step
+            assert counts[0] == 2
 
 
 def _outside_write_case() -> dict:
