@@ -148,7 +148,7 @@ def _save_then_load(out: str) -> dict:
         location = accelerator.save_state(out)
         later = _steps(accelerator, model, optimizer, schedule, batches[2:])
         final = full_state_dict(model, rank0_only=False)
-        again = Accelerator(cpu=True)
+        again = accelerate.Accelerator(cpu=True)  # accelerate's own: prepare() gives it the parts overrides
         model2, optimizer2, schedule2, loader2 = _prepared(again, 1)
         again.load_state(location)
         resumed = _steps(again, model2, optimizer2, schedule2, list(again.skip_first_batches(loader2, 2)))
