@@ -197,6 +197,35 @@ def test_a_shard_written_outside_a_step_is_refused_until_refreshed() -> None:
         assert out["differ"] == []
 
 
+def _open_step_case() -> dict:
+    """A train-mode forward whose backward never comes leaves its step open; a step then."""
+    from parts.partition import attach, full_state_dict, partitioned, shards
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    with partitioned():
+        model = Net()
+    attach(model)
+    opt = torch.optim.AdamW(shards(model), lr=1e-2)
+    model(_batch(0, rank)).square().mean().backward()
+    model(_batch(1, rank))  # (a metric in train mode, say): no backward follows
+    opt.step()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = _batch(2, rank)
+    with torch.no_grad():
+        out = model(x)
+    full = full_state_dict(model, rank0_only=False)
+    plain = Net()
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        ref = plain(x)
+    return dict(differ=[k for k in full if not torch.equal(state[k], full[k])], forward=torch.equal(out, ref))
+
+
+def test_a_step_while_a_forward_awaits_its_backward_is_read_current() -> None:
+    for out in run(2, _open_step_case):
+        assert out["differ"] == [] and out["forward"]
+
+
 # ------------------------------------------------------------------ Hugging Face models
 transformers = pytest.importorskip("transformers")
 

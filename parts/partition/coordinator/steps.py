@@ -11,9 +11,8 @@ Between steps, what stays gathered is current: after every optimizer step (core/
 calls ``after_optimizer_step`` when the outermost ``step()`` returns) the persistent
 parameters whose shards changed are gathered again, synchronously, so ``state_dict()``,
 ``named_parameters()`` and any user read see the stepped values; the next step's start then
-finds them current (the same collective, moved). An optimizer step inside a step of this
-coordinator (``OffloadedOptimizer.step_in_backward``) leaves them to the ``step()`` that must
-follow it. Reads of shards changed any other way: reads.py.
+finds them current (the same collective, moved). An optimizer step inside a backward
+(``OffloadedOptimizer.step_in_backward``) leaves them to the ``step()`` that must follow it. Reads of shards changed any other way: reads.py.
 """
 
 from __future__ import annotations
@@ -99,8 +98,10 @@ class Steps:
 
     def after_optimizer_step(self) -> None:
         """An optimizer step ended: gather again (synchronously) the persistent params whose shards
-        it changed, so reads between steps see them (not inside a step of ours: its params are in use)."""
-        if not self.current and not in_backward():
+        it changed, so reads between steps see them. Not while a backward or forward of ours runs
+        (its params are in use; a step inside a backward is left to the ``step()`` after it); a
+        step left open by a forward whose backward is still to come is no obstacle."""
+        if not in_backward() and not any(self.live.uses.values()):
             self.refresh()
 
     def refresh(self) -> None:
