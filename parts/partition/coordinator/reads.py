@@ -43,8 +43,9 @@ class RefuseDDP:
         raise RuntimeError(
             f"{NO_DDP}: an attached model (parts.partition.attach) reduce-scatters its own grads "
             f"across ranks, so DistributedDataParallel would reduce them twice and read parameters "
-            f"released between steps. Train the model as it is (accelerate / Trainer: "
-            f"parts.integrations); to reduce grads with DDP instead, detach(model) first")
+            f"released between steps. Train the model as it is; with accelerate use "
+            f"parts.integrations.accelerate.prepare(accelerator, ...) (or its Accelerator), with "
+            f"transformers parts.integrations.transformers.Trainer")
 
 
 class ReadGuard:
