@@ -29,7 +29,7 @@ BF16 = torch.bfloat16
 #        keep fp32 modules, masters in fp32)
 VARIANTS = {
     "fp32": None,
-    "today (bf16 init, parts/DeepSpeed)": dict(round_init=True),
+    "masters from bf16-rounded init (DeepSpeed-like)": dict(round_init=True),
     "H1 masters from fp32 init (FSDP2-like)": dict(),
     "H2a tied grads summed in fp32": dict(tie_fp32=True),
     "H2b micro-batches accumulated in bf16": dict(accum=BF16),
