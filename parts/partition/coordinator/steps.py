@@ -98,15 +98,15 @@ class Steps:
 
     def after_optimizer_step(self) -> None:
         """An optimizer step ended: gather again (synchronously) the persistent params whose shards
-        it changed, so reads between steps see them. Not while a backward or forward of ours runs
-        (its params are in use; a step inside a backward is left to the ``step()`` after it); a
-        step left open by a forward whose backward is still to come is no obstacle."""
-        if not in_backward() and not any(self.live.uses.values()):
+        it changed, so reads between steps see them. Not in a backward (a step there is left to
+        the ``step()`` after it); params a running forward holds are skipped (``refresh``)."""
+        if not in_backward():
             self.refresh()
 
     def refresh(self) -> None:
-        """Gather again the gathered persistent params whose shards changed (one collective per
-        kind, none if nothing changed); those not gathered wait for the next step's start."""
+        """Gather again the gathered persistent params whose shards changed and nothing holds (one
+        collective per kind, none if nothing changed); those not gathered wait for the next
+        step's start."""
         how = self.flat.decide(self.live.uses)  # not REFILL: the flat ones one by one (if gathered)
         _, stale = self.live.persistent_to_gather(
             self.flat.others if how in (CURRENT, REFILL) else self.table.persistent_ids)
