@@ -278,3 +278,28 @@ def test_adapters_added_to_a_sharded_trained_model():
         assert out["adapters"] == 8  # A and B of q_proj and v_proj in 2 layers
         assert out["reduced"] == [out["trainable_bytes"]] * (STEPS - 1)
         assert "'base_model.model' (LlamaForCausalLM)" in out["refused"] and "detach()" in out["refused"]
+
+
+def _lora_memory_case(what: str) -> dict:
+    """A Llama whose MLP weights (128 x 4096) are over the persistence threshold and whose layers
+    are fetch units of their own (6.3M elements in all): one step, full fine-tuning or LoRA."""
+    from parts.partition import attach, partition_module
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=4096,
+                                      num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2,
+                                      max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    model = partition_module(_lora(model) if what == "lora" else model)
+    co = attach(model)
+    x = _batches(2)[0][:ROWS]
+    model(input_ids=x, labels=x).loss.backward()
+    return dict(high=co.stats().live_high_water, layer=3 * 128 * 4096)
+
+
+def test_frozen_params_leave_when_their_units_backward_is_over():
+    # frozen base weights are gathered for their layer's backward (the input grads need them) and
+    # released when it is over: LoRA holds at most two layers' MLPs (the next layer is fetched as
+    # the previous is done), as full fine-tuning holds one, never the 4 of the whole model
+    full, lora = run(2, _lora_memory_case, "full")[0], run(2, _lora_memory_case, "lora")[0]
+    assert full["high"] == full["layer"]
+    assert lora["high"] == 2 * lora["layer"]

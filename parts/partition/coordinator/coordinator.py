@@ -47,6 +47,7 @@ from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_gra
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence, StepCheck
 from parts.partition.coordinator.flat import FlatGather, FlatReduce
+from parts.partition.coordinator.frozen import FrozenRelease
 from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, RunningUnits, eager,
                                                register_pre_backward)
 from parts.partition.coordinator.live import LiveSet
@@ -140,6 +141,7 @@ class FetchCoordinator:
         self.reducer, self.check, self.counters = pieces.reducer, pieces.check, pieces.counters
         self.steps, self.flat_grads = pieces.steps, pieces.flat_grads
         self.flat_ids = frozenset(pieces.flat.pids)
+        self.frozen = FrozenRelease(self.table, self.live, weak_method(self._backward_step))
         self._setup_lifecycle()
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
@@ -323,18 +325,20 @@ class FetchCoordinator:
         if step is None or self._stack or in_backward():
             # in backward (a recompute): the hooks serve a reentrant checkpoint's inner backward
             if step is not None and output is not None and torch.is_grad_enabled():
-                self._hook_backward(call, step, output)
+                self._hook_backward(call, step, output, None if in_backward() else args)
             return
         if sys.exc_info()[0] is not None:  # the forward raised: no collective on the way out
             self.steps.abandon(call.phase)
             return
         if output is not None and torch.is_grad_enabled():
-            self._hook_backward(call, step, output)
+            self._hook_backward(call, step, output, args)
         if not step.pending_backward:
             self.steps.end(call.phase)
 
-    def _hook_backward(self, call: ModuleCall, step: StepState, output: Any) -> None:
+    def _hook_backward(self, call: ModuleCall, step: StepState, output: Any, args: Any = None) -> None:
         fire = partial(self._pre_backward, call.index, call.phase)
+        if args is not None:  # frozen params released once the unit's backward is over (frozen.py)
+            fire = self.frozen.wrap(call.ids, args, fire)
         step.pending_backward |= register_pre_backward(output, fire)
 
     def _pop(self, index: int) -> Optional[ModuleCall]:
@@ -358,6 +362,9 @@ class FetchCoordinator:
         self.live.use_in_backward(call.ids)
         if torch.is_grad_enabled():  # create_graph: the grad graph being built reads these params
             self.live.hold_for_graph(call.ids)
+
+    def _backward_step(self) -> Optional[StepState]:
+        return self.steps.get(self._bwd_phase)
 
     def _enter_backward(self, phase: str) -> None:
         if self._bwd_phase is not None:

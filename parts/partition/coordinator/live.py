@@ -113,6 +113,14 @@ class LiveSet:
             self.uses[pid] -= held
             self.settle([pid], step)
 
+    def backward_done(self, ids: Iterable[int], step: Optional[StepState]) -> None:
+        """One backward use of ``ids`` (frozen: no grad to complete) is over: drop its hold, release if idle."""
+        ids = [pid for pid in dict.fromkeys(ids) if self.backward_uses.get(pid)]
+        for pid in ids:
+            self.backward_uses[pid] -= 1
+            self.uses[pid] -= 1
+        self.settle(ids, step)
+
     def hold_for_graph(self, ids: Iterable[int]) -> None:
         """A backward with ``create_graph`` used ``ids``: the graph it builds (a gradient
         penalty's) reads them in the next backward, so they stay gathered until that ends."""
