@@ -117,9 +117,10 @@ def _sweep_case(knobs: str, kind: str, tmp: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("knobs,kind", CASES)
-def test_reads_after_a_step_are_the_stepped_values(knobs: str, kind: str, tmp_path) -> None:
-    for out in run(2, _sweep_case, knobs, kind, str(tmp_path)):
+@pytest.mark.parametrize("knobs,kind,world", [(k, o, 2) for k, o in CASES] +
+                         [("default", "adamw_fused", 3), ("threshold300", "bf16", 3)])
+def test_reads_after_a_step_are_the_stepped_values(knobs: str, kind: str, world: int, tmp_path) -> None:
+    for out in run(world, _sweep_case, knobs, kind, str(tmp_path)):
         assert out["state_dict"] == [] and out["named"] == [], out
         assert out["forward0"] and out["forward1"]
         n_state, n_named, n_full = out["read"]
