@@ -12,7 +12,8 @@ calls ``after_optimizer_step`` when the outermost ``step()`` returns) the persis
 parameters whose shards changed are gathered again, synchronously, so ``state_dict()``,
 ``named_parameters()`` and any user read see the stepped values; the next step's start then
 finds them current (the same collective, moved). An optimizer step inside a backward
-(``OffloadedOptimizer.step_in_backward``) leaves them to the ``step()`` that must follow it. Reads of shards changed any other way: reads.py.
+(``OffloadedOptimizer.step_in_backward``) leaves them to the ``step()`` that must follow it.
+Reads of shards changed any other way: reads.py.
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ class Steps:
         ones (flat.py) in a collective of their own. The decision is local (every rank steps its
         shards of the same params); ``debug`` checks it."""
         how = self.flat.decide(self.live.uses)
+        flat = how in (REFILL, INSTALL)
         todo, stale = self.live.persistent_to_gather(
             self.table.persistent_ids if how == FALLBACK else self.flat.others)
-        flat = how in (REFILL, INSTALL)
         ids = todo + stale + (self.flat.pids if flat else [])
         self.check.point(self.current[phase], "start", ids=sorted(ids))
         if flat:
