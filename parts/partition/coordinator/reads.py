@@ -6,7 +6,7 @@ its shard's current values (under ``MixedPrecision``, cast to ``param_dtype``): 
 of the ones it changed (core/steps.py, steps.py), and parts' own writers
 (``gathered(..., modifier_rank=...)``, ``load_full_state_dict``, ``load_sharded_state_dict``)
 write the full tensor with the shard. A shard changed any other way (``meta(p).shard.add_(...)``
-outside an optimizer step, or a ``step()`` taken while a forward's step is still open) leaves
+outside an optimizer step, or a ``step()`` taken during a forward or backward) leaves
 the gathered copy stale until ``parts.partition.refresh(model)`` or the next step's start on
 every rank. ``model.state_dict()`` checks: it raises rather than return a stale value. Other
 reads (``named_parameters()``, a tensor the user kept) cannot be checked without a cost per op:
@@ -87,7 +87,8 @@ def _released_message(m: Any, prefix: str, persistent: bool) -> str:
 
 def _stale_message(m: Any, prefix: str) -> str:
     return (f"parts.partition: {prefix or 'model.'}state_dict() would return a stale value of "
-            f"{m.describe()}: its shard changed since it was gathered and no refresh followed (a "
-            f"write outside an optimizer's step(), or a step() inside a forward or backward). Call parts.partition.refresh(model) on every rank first (the next forward "
+            f"{m.describe()}: its shard changed since it was gathered and no refresh followed "
+            f"(a write outside an optimizer's step(), or a step() during a forward or backward). "
+            f"Call parts.partition.refresh(model) on every rank first (the next forward "
             f"refreshes it too), or write shards inside an optimizer step or "
             f"`with parts.partition.gathered(params, modifier_rank=...)`")
