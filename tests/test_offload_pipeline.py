@@ -86,7 +86,7 @@ def test_writes_behind_and_reads_ahead_stay_bitwise_under_a_slow_writer(tmp_path
         assert slept > 0
         # every step returned with shard writes behind and the next step's first state reads
         # ahead (the slow writer keeps them in flight through the next forward unless the
-        # machine is very loaded; with drop not waiting for them this test failed: torn pieces)
+        # machine is very loaded; a drop that did not wait for them would tear pieces)
         assert all(behind > 0 and ahead > 0 for behind, ahead in flights), flights
 
 
