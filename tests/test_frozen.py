@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harness import run
 
@@ -303,3 +305,62 @@ def test_frozen_params_leave_when_their_units_backward_is_over():
     full, lora = run(2, _lora_memory_case, "full")[0], run(2, _lora_memory_case, "lora")[0]
     assert full["high"] == full["layer"]
     assert lora["high"] == 2 * lora["layer"]
+
+
+def _masks_case(threshold: int, masks: list) -> dict:
+    """The tied-embedding GPT of the coordinator tests, ``masks[step][k]``: parameter k trainable."""
+    import torch.distributed as dist
+    from parts.partition import attach, meta, shards
+    from test_coordinator_models import GPT, batch, make_pair
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, model = make_pair(GPT)
+    co = attach(model, persistence_threshold=threshold)
+    opts = [torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(shards(model), lr=1e-2)]
+    plain, losses, reduced, expected = [], [], [], []
+    for step, mask in enumerate(masks):
+        for m in (ref, model):
+            for p, trainable in zip(m.parameters(), mask):
+                p.requires_grad_(trainable)
+        halves = [ref(*batch(step, 2, 2 * r)) for r in range(world)]
+        torch.stack(halves).mean().backward()
+        loss = model(*batch(step, 2, 2 * rank))
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        plain.append(halves[rank].item())
+        losses.append(loss.item())
+        reduced.append(co.stats().reduce_scatter_bytes)
+        expected.append((world - 1) * 4 * sum(meta(p).layout.shard_numel
+                                              for p in model.parameters() if p.requires_grad))
+    return dict(plain=plain, losses=losses, reduced=reduced, expected=expected)
+
+
+@settings(max_examples=10, deadline=None)
+@given(threshold=st.sampled_from([0, 1_000, 100_000]),
+       masks=st.lists(st.lists(st.booleans(), min_size=37, max_size=37).filter(any), min_size=3, max_size=3))
+def test_any_frozen_set_toggled_at_any_step(threshold, masks):
+    # any parameters frozen at each step (the tied embedding too), with every param per-use (0),
+    # norms and biases persistent (1_000) or all persistent (the default): plain torch's losses,
+    # and exactly the trainable params' grad shards reduce-scattered
+    for out in run(2, _masks_case, threshold, masks, timeout=60):  # losses up to 14: a few ulps
+        torch.testing.assert_close(out["losses"], out["plain"], rtol=1e-6, atol=1e-6)
+        assert out["reduced"] == out["expected"]
+
+
+def _mixed_precision_case(threshold: int, what: str) -> tuple:
+    from parts.partition import MixedPrecision, attach, partition_module
+    torch.manual_seed(0)
+    model = _llama()
+    model = partition_module(_lora(model) if what == "lora" else model)
+    _freeze(model, "none" if what == "lora" else what)
+    co = attach(model, persistence_threshold=threshold, mixed_precision=MixedPrecision())
+    return _sharded_losses(model, co, _batches(2))
+
+
+@pytest.mark.parametrize("what", ["lora", "embed"])
+def test_frozen_with_bf16_compute_equals_the_per_parameter_path(what):
+    # bf16 gathers and grads, fp32 reduce: the default knobs (frozen params outside the one flat
+    # reduce-scatter) give bitwise the losses and bytes of every param gathered and reduced per use
+    flat, per_use = run(2, _mixed_precision_case, 100_000, what), run(2, _mixed_precision_case, 0, what)
+    assert flat == per_use
