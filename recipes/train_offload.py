@@ -81,9 +81,16 @@ def count_params(c: GPTConfig) -> int:
     return (c.vocab_size + c.block_size) * d + c.n_layer * block + 2 * d
 
 
-def arithmetic(psi: int, world: int, ram: int) -> list[tuple[str, str]]:
+def disk_bytes(psi: int, in_backward: bool) -> int:
+    """Peak bytes of the stores: fp32 values, grads and two moments (16 Psi); stepping during
+    backward no grad goes to disk, but the new values and moments are staged beside the old
+    ones until the step commits (24 Psi)."""
+    return (24 if in_backward else 16) * psi
+
+
+def arithmetic(psi: int, world: int, ram: int, disk: int) -> list[tuple[str, str]]:
     """Model-state bytes (ZeRO paper, mixed-precision-free fp32 AdamW: 16 bytes a parameter) on
-    this one machine, where all ``world`` ranks share ``ram``."""
+    this one machine, where all ``world`` ranks share ``ram``; ``disk``: the stores' peak."""
     rows = [("parameters (Psi)", f"{psi / 1e9:.2f} B"), ("RAM of this machine", f"{ram / GiB:.1f} GiB")]
     for name, per_rank in [("DDP (16 Psi per rank)", 16 * psi),
                            ("ZeRO-1/2 (4 Psi + 12 Psi/N)", 4 * psi + 12 * psi // world),
@@ -91,7 +98,7 @@ def arithmetic(psi: int, world: int, ram: int) -> list[tuple[str, str]]:
         total = per_rank * world
         rows.append((name, f"{total / GiB:.1f} GiB on this machine: "
                            f"{'does not fit' if total > ram else 'fits'}"))
-    rows.append(("parts.offload (on disk)", f"{16 * psi / GiB:.1f} GiB of files; memory: ~2 blocks"))
+    rows.append(("parts.offload (on disk)", f"{disk / GiB:.1f} GiB of files at most; memory: ~2 blocks"))
     return rows
 
 
@@ -181,8 +188,9 @@ def main() -> None:
     psi = count_params(config_of(args))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if rank == 0:
-        print(report.table(arithmetic(psi, world, ram)), flush=True)
-        check_disk(args.store, 16 * psi)
+        disk = disk_bytes(psi, not args.after_backward)
+        print(report.table(arithmetic(psi, world, ram, disk)), flush=True)
+        check_disk(args.store, disk)
     dist.barrier()
     store = DiskStore(os.path.join(args.store, f"rank{rank}"), threads=args.io_threads,
                       max_inflight_bytes=args.inflight_mib << 20)

@@ -357,11 +357,11 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         batch, suffix = _Batch(self.spares), parking.STAGED if staged else ""
         for p in chunk:
             offloadable = self._offloadable(p)
+            if staged:  # recorded first: a write that fails at submission (a full disk) is rolled back too
+                self._staged[id(p)] = [name for name, _ in offloadable]
             for name, t in offloadable:
                 batch.handles.append(self.store.write(self._key(p, name) + suffix, t))
                 batch.keep.append(self.optimizer.state[p].pop(name))
-            if staged:
-                self._staged[id(p)] = [name for name, _ in offloadable]
             if parking.parked(p) is not None:
                 batch.handles.append(parking.save(p, staged=staged))
                 if p.grad is not None:
