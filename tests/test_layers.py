@@ -17,6 +17,7 @@ PARTS = Path(__file__).resolve().parents[1] / "parts"
 BASE_LAYER = {"base", "comm", "_compat", "csrc"}
 PARTS_ABOVE = {"partition", "offload", "optim", "checkpoint", "parallel", "observe", "io"}
 SIDEWAYS_ALLOWED = {("optim", "partition"), ("partition", "offload")}
+ABOVE_THE_PARTS = {"integrations", "plan"}  # may import any part; no part imports them
 DISTRIBUTED_ALLOWED = {"comm", "_compat"}
 
 
@@ -46,8 +47,8 @@ def modules() -> list[Path]:
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PARTS)))
 def test_imports_follow_the_layers(path: Path) -> None:
-    """Base imports no part; parts import no sibling but optim->partition, partition->offload;
-    only comm and _compat import torch.distributed."""
+    """Base imports no part; parts import no sibling but optim->partition, partition->offload,
+    nor integrations and plan, which sit above them; only comm and _compat import torch.distributed."""
     own = package_of(path)
     for name in imported_modules(path):
         if name.startswith("torch.distributed") or name == "torch.distributed":
@@ -55,7 +56,11 @@ def test_imports_follow_the_layers(path: Path) -> None:
         if not name.startswith("parts."):
             continue
         target = name.split(".")[1]
-        if own in BASE_LAYER:
+        if target in ABOVE_THE_PARTS:
+            assert own in ABOVE_THE_PARTS, f"{path}: {own} imports {name}, which sits above the parts"
+        elif own in ABOVE_THE_PARTS:
+            continue
+        elif own in BASE_LAYER:
             assert target in BASE_LAYER, f"{path}: the base layer imports the part {name}"
         elif target in PARTS_ABOVE and target != own:
             assert (own, target) in SIDEWAYS_ALLOWED, f"{path}: part {own} imports part {name}"
