@@ -1,4 +1,4 @@
-"""Training step time, peak memory and communication: parts ZeRO-3 vs FSDP2 vs DDP, side by side.
+"""Training step time, peak memory and communication: parts ZeRO-3 vs FSDP2, DeepSpeed ZeRO-3 and DDP, side by side.
 
     python benchmarks/bench_zero3.py                      # 25.4M-param GPT, fp32, world 2
     python benchmarks/bench_zero3.py --n-embd 256 --steps 6   # quicker
@@ -8,7 +8,9 @@ Every system trains the same GPT (recipes/gpt_model.py) from the same seed on th
 batches, AdamW, fp32, in fresh processes (so peak RSS is each system's own), one system
 after the other in one invocation, ``--rounds`` times in turn (so load drift on a shared
 machine hits all systems alike). Prints the median step time, the ratio to DDP, peak RSS
-per rank, and the final loss (all systems must agree), then the hooks' host overhead. Beside
+per rank, and the final loss (all systems must agree), then the hooks' host overhead.
+DeepSpeed ZeRO-3 (``deepspeed``, default knobs, its CPU accelerator on the same gloo group)
+joins the fp32 systems where ``deepspeed`` is importable (``pip install deepspeed``). Beside
 the wall time, each step's CPU time of rank 0's process (all its threads, ``time.process_time``):
 on a machine shared with other jobs wall time swings with their load, CPU time much less.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import resource
 import socket
@@ -40,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
 
-SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean", "parts_defaults")
+SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean", "parts_defaults") + (
+    ("deepspeed",) if importlib.util.find_spec("deepspeed") else ())  # DeepSpeed ZeRO-3 where installed
 MODELS = {"25m": dict(n_layer=8, n_embd=512, n_head=8, seq=128),  # ../shared/LESSONS.md's 25.4M GPT
           "small": dict(n_layer=32, n_embd=64, n_head=4, seq=64)}  # small and deep, 1.6M
 BF16_SYSTEMS = ("ddp", "fsdp2_bf16", "parts_bf16", "parts_lean_bf16")
@@ -60,6 +64,55 @@ def build_fsdp2(config):
         fully_shard(block)
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
+
+
+def build_deepspeed(config):
+    """DeepSpeed ZeRO-3 with its default knobs (fp32, torch AdamW as the client optimizer)."""
+    import deepspeed  # DS_ACCELERATOR=cpu is set by main(); deepspeed reuses the gloo group
+    model = GPT(config)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                 "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                                   config=ds_config)
+    return _DeepSpeedModel(engine), _DeepSpeedOptimizer(engine), None
+
+
+class _DeepSpeedModel:
+    """The training loop's ``model(x, y)`` / ``loss.backward()`` on a DeepSpeed engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __call__(self, inputs, targets):
+        loss = self.engine(inputs, targets)
+        engine = self.engine
+        return _Loss(loss, engine)
+
+
+class _Loss:
+    """A loss whose ``backward()`` is the engine's (DeepSpeed scales and reduces in it)."""
+
+    def __init__(self, loss, engine) -> None:
+        self.loss, self.engine = loss, engine
+
+    def backward(self) -> None:
+        self.engine.backward(self.loss)
+
+    def detach(self):
+        return self.loss.detach()
+
+
+class _DeepSpeedOptimizer:
+    """``optimizer.step()`` / ``zero_grad()`` as the engine's step."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # engine.step() clears the grads
 
 
 def build_parts(config):
@@ -143,7 +196,8 @@ def _batches(config, args, rank):
 
 
 def _worker(rank, world_size, port, system, config, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     if args.mmap_threshold:
@@ -203,6 +257,7 @@ def main() -> None:
                         help="run every system this many times, alternating; report the median")
     parser.add_argument("--no-overhead", action="store_true", help="skip the world-1 host-overhead run")
     args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, for the deepspeed system
     for name, value in MODELS[args.model].items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     bf16 = args.dtype == "bf16"
@@ -264,17 +319,20 @@ def _combine(rows: list) -> dict:
 
 def _print_table(results, params) -> list[dict]:
     ddp, fsdp2 = results.get("ddp", {}), results.get("fsdp2") or results.get("fsdp2_bf16") or {}
-    print("\n| system | step (s) | vs DDP | vs FSDP2 | CPU s / step (rank 0) | CPU vs DDP | "
+    deepspeed = results.get("deepspeed", {})
+    print("\n| system | step (s) | vs DDP | vs FSDP2 | vs DeepSpeed | CPU s / step (rank 0) | CPU vs DDP | "
           "peak RSS / rank (MiB) | final loss | vs DDP loss | gathered + reduce-scattered per step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     table = []
     for system, row in results.items():
-        ratios = [f"{row['step'] / base['step']:.2f}" if base else "-" for base in (ddp, fsdp2)]
+        ratios = [f"{row['step'] / base['step']:.2f}" if base else "-" for base in (ddp, fsdp2, deepspeed)]
         cpu_ratio = f"{row['cpu'] / ddp['cpu']:.2f}" if ddp else "-"
         gap = f"{100 * (row['loss'] / ddp['loss'] - 1):+.3f}%" if ddp else "-"
-        print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | {row['cpu']:.3f} | {cpu_ratio} | "
-              f"{row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {gap} | {_traffic(row.get('stats'), params)} |")
+        print(f"| {system} | {row['step']:.3f} | {ratios[0]} | {ratios[1]} | {ratios[2]} | {row['cpu']:.3f} | "
+              f"{cpu_ratio} | {row['peak_rss'] / 2**20:.0f} | {row['loss']:.4f} | {gap} | "
+              f"{_traffic(row.get('stats'), params)} |")
         table.append({"system": system, "step_s": round(row["step"], 3), "vs_DDP": ratios[0], "vs_FSDP2": ratios[1],
+                      "vs_DeepSpeed": ratios[2],
                       "cpu_s_per_step_rank0": round(row["cpu"], 3), "cpu_vs_DDP": cpu_ratio,
                       "peak_rss_MiB": round(row["peak_rss"] / 2**20), "final_loss": round(row["loss"], 4),
                       "loss_vs_DDP": gap, "traffic_per_step": _traffic(row.get("stats"), params)})

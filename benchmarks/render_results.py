@@ -24,7 +24,7 @@ RESULTS_DIR = HERE / "results"
 OUTPUT = HERE / "RESULTS.md"
 README = HERE.parent / "README.md"
 README_BENCH = "bench_zero3"
-README_COLUMNS = ("system", "step_s", "vs_DDP", "vs_FSDP2", "cpu_vs_DDP", "peak_rss_MiB", "final_loss",
+README_COLUMNS = ("system", "step_s", "vs_DDP", "vs_FSDP2", "vs_DeepSpeed", "cpu_vs_DDP", "peak_rss_MiB", "final_loss",
                   "traffic_per_step")
 BEGIN, END = "<!-- results -->", "<!-- /results -->"
 
