@@ -1,10 +1,12 @@
 """Scratch directories of ``DiskStore``: owned, removed on SIGTERM, reclaimed once their owner is gone.
 
-Each store directory (``parts-store-*``) holds an ``owner.json``: host name, pid and the
-process's start time (``/proc/<pid>/stat``, so a reused pid is not taken for the owner).
-A new store scans its parent path and removes the directories whose owner on this host is
-gone (a rank killed by SIGKILL, a crash in native code), saying how much it freed; a
-directory of another host (a shared file system) or without an owner record is left alone.
+Each store directory (``parts-store-*``) holds an ``owner.json``: host name, pid, the
+process's start time (``/proc/<pid>/stat``, so a reused pid is not taken for the owner), its
+pid namespace and the boot id. A new store scans its parent path and removes the directories
+whose owner on this host is gone (a rank killed by SIGKILL, a crash in native code, a
+reboot), saying how much it freed; a directory of another host (a shared file system), of
+another pid namespace (another container: its pids mean nothing here) or without an owner
+record is left alone.
 
 SIGTERM (what ``kill``, ``timeout``, Slurm and Kubernetes send) would end the process without
 running exit handlers. A handler installed with the first store removes every live store's
@@ -49,14 +51,31 @@ def _start_time(pid: int) -> Optional[str]:
     return fields[19] if len(fields) > 19 else None
 
 
+def _read(path: str, link: bool = False) -> Optional[str]:
+    """The text (or link target) at ``path``, or None where there is none."""
+    try:
+        if link:
+            return os.readlink(path)
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _here() -> dict[str, Optional[str]]:
+    """This host, pid namespace and boot."""
+    return {"host": socket.gethostname(), "pidns": _read("/proc/self/ns/pid", link=True),
+            "boot": _read("/proc/sys/kernel/random/boot_id")}
+
+
 def write_owner(directory: str) -> None:
     """Record this process as the owner of ``directory``."""
-    owner = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+    owner = {**_here(), "pid": os.getpid(), "start": _start_time(os.getpid())}
     with open(os.path.join(directory, OWNER_FILE), "w") as f:
         json.dump(owner, f)
 
 
-def _owner_gone(directory: str, host: str) -> bool:
+def _owner_gone(directory: str, here: dict[str, Optional[str]]) -> bool:
     """True if ``directory``'s recorded owner is a process of this host that no longer runs."""
     try:
         with open(os.path.join(directory, OWNER_FILE)) as f:
@@ -64,8 +83,10 @@ def _owner_gone(directory: str, host: str) -> bool:
         pid, start = int(owner["pid"]), owner.get("start")
     except (OSError, ValueError, KeyError, TypeError):
         return False  # no (readable) record: not ours to judge
-    if owner.get("host") != host or pid == os.getpid():
+    if owner.get("host") != here["host"] or owner.get("pidns") != here["pidns"] or pid == os.getpid():
         return False
+    if here["boot"] is not None and owner.get("boot") not in (None, here["boot"]):
+        return True  # the machine rebooted since
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -91,14 +112,14 @@ def directory_bytes(directory: str) -> int:
 
 def reclaim(path: str, keep: str) -> int:
     """Remove the store directories under ``path`` (not ``keep``) whose owner is gone; the bytes freed."""
-    host, freed, count = socket.gethostname(), 0, 0
+    here, freed, count = _here(), 0, 0
     try:
         names = [n for n in os.listdir(path) if n.startswith(PREFIX)]
     except OSError:
         return 0
     for name in names:
         directory = os.path.join(path, name)
-        if directory == keep or not os.path.isdir(directory) or not _owner_gone(directory, host):
+        if directory == keep or not os.path.isdir(directory) or not _owner_gone(directory, here):
             continue
         size = directory_bytes(directory)
         shutil.rmtree(directory, ignore_errors=True)
