@@ -5,7 +5,8 @@ Every benchmark appends one line per run to ``benchmarks/results/<bench>.jsonl``
 the machine, the torch version and the exact command that produced it, so that every number
 in ``RESULTS.md`` is a command's output and can be reproduced by running that command again.
 It also copies the headline table (``README_BENCH``) into README.md, between the
-``<!-- results -->`` and ``<!-- /results -->`` lines, so the front page quotes the same run.
+``<!-- results -->`` and ``<!-- /results -->`` lines, and a benchmark's table into any guide
+in docs/ between ``<!-- <bench> -->`` and ``<!-- /<bench> -->``, so they quote the same run.
 
     python benchmarks/render_results.py            # writes benchmarks/RESULTS.md and README's table
     python benchmarks/render_results.py --check    # exits 1 if either is out of date
@@ -108,6 +109,18 @@ def with_readme_table(readme: str, runs: dict[str, dict[str, Any]]) -> str:
     return f"{head}{BEGIN}\n{table(rows)}\n{END}{tail}"
 
 
+def with_bench_tables(page: str, runs: dict[str, dict[str, Any]]) -> str:
+    """``page`` with the text between each ``<!-- bench -->`` and ``<!-- /bench -->`` pair replaced
+    by that benchmark's latest table (a guide quoting its numbers from the recorded run)."""
+    for name, run in runs.items():
+        begin, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+        if begin in page and end in page:
+            head, rest = page.split(begin, 1)
+            rows = run["results"].get("rows", [])
+            page = f"{head}{begin}\n{table(rows) if rows else ''}\n{end}{rest.split(end, 1)[1]}"
+    return page
+
+
 def main() -> int:
     """Write RESULTS.md and README's table (or, with ``--check``, report whether they are current)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,6 +132,8 @@ def main() -> int:
     runs = latest_runs(args.results)
     readme = args.readme.read_text() if args.readme.exists() else ""
     wanted = {args.output: render(runs), args.readme: with_readme_table(readme, runs)}
+    for guide in sorted((args.readme.parent / "docs").glob("*.md")):
+        wanted[guide] = with_bench_tables(guide.read_text(), runs)
     stale = [path for path, text in wanted.items() if (path.read_text() if path.exists() else "") != text]
     if args.check:
         for path in stale:
