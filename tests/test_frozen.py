@@ -51,11 +51,13 @@ def _freeze(model, what: str) -> None:
         (core.layers if hasattr(core, "layers") else core.h)[0].requires_grad_(False)
 
 
-def _lora(model):
-    """LoRA on the attention projections (r=4, B initialised non-zero so step 1 already moves it)."""
+def _lora(model, save: tuple = ()):
+    """LoRA on the attention projections (r=4, B initialised non-zero so step 1 already moves it);
+    ``save``: modules peft copies and trains whole (``modules_to_save``)."""
     targets = ["q_proj", "v_proj"] if hasattr(model, "model") else ["c_attn"]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian",
-                             fan_in_fan_out=not hasattr(model, "model"), lora_dropout=0.0)
+                             fan_in_fan_out=not hasattr(model, "model"), lora_dropout=0.0,
+                             modules_to_save=list(save) or None)
     with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in its favour
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         return peft.get_peft_model(model, config)
@@ -177,10 +179,17 @@ def _lora_case(arch: str, how: str) -> dict:
     from parts.partition import attach, load_full_state_dict, meta, partition_module, partitioned
     world = dist.get_world_size()
     torch.manual_seed(0)
-    ref = _lora(BUILD[arch]())
+    save = ("lm_head",) if how == "sharded base" else ()
+    ref = _lora(BUILD[arch](), save)
     if how == "inside":  # get_peft_model inside partitioned(): the adapters are sharded as built
         with partitioned():
             model = _lora(BUILD[arch]())
+        load_full_state_dict(model, ref.state_dict())
+    elif how == "sharded base":  # on a model sharded before; peft deep-copies the sharded lm_head
+        with partitioned():
+            base = BUILD[arch]()
+        with partitioned():
+            model = _lora(base, save)
         load_full_state_dict(model, ref.state_dict())
     else:  # get_peft_model on the plain model, sharded after
         model = partition_module(copy.deepcopy(ref))
@@ -188,7 +197,7 @@ def _lora_case(arch: str, how: str) -> dict:
     batches = _batches(world)
     plain = _plain_losses(ref, batches, world)
     losses, reduced = _sharded_losses(model, co, batches)
-    lora = [meta(p) for n, p in model.named_parameters() if "lora_" in n]
+    lora = [meta(p) for n, p in model.named_parameters() if "lora_" in n or "modules_to_save" in n]
     trainable = [meta(p) for p in model.parameters() if p.requires_grad]
     return dict(plain=[s[dist.get_rank()] for s in plain], losses=losses, reduced=reduced,
                 lora_is_trainable=len(lora) == len(trainable) > 0,
@@ -197,7 +206,8 @@ def _lora_case(arch: str, how: str) -> dict:
                 trainable_bytes=(world - 1) * 4 * sum(m.layout.shard_numel for m in trainable))
 
 
-@pytest.mark.parametrize("arch,how", [("llama", "inside"), ("llama", "after"), ("gpt2", "inside")])
+@pytest.mark.parametrize("arch,how", [("llama", "inside"), ("llama", "after"), ("llama", "sharded base"),
+                                      ("gpt2", "inside")])
 def test_peft_lora_trains_like_plain_torch(arch, how):
     for out in run(2, _lora_case, arch, how, timeout=120):
         torch.testing.assert_close(out["losses"], out["plain"], **TOL)
