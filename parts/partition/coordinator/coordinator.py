@@ -193,7 +193,7 @@ class FetchCoordinator:
     def _setup_lifecycle(self) -> None:
         self._hooks: dict[int, ModuleHooks] = {}
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._hooked: set[int] = set()  # stable ids of the params with a grad hook
+        self._unhooked = list(self.table.params.values())  # params without a grad hook (yet)
         self._stack: list[ModuleCall] = []
         self._bwd_phase: Optional[str] = None
         self._bwd_creates_graph = False
@@ -381,11 +381,12 @@ class FetchCoordinator:
         """Read ``requires_grad`` again (at attach and each backward's start): a grad hook on every
         parameter that requires grad now (frozen ones have none to fire), the flat reduce-scatter's
         members (reduce.py). Every rank reads the same flags, so all reduce the same grads."""
-        for pid, p in self.table.params.items():
-            if p.requires_grad and pid not in self._hooked:
-                self._hooked.add(pid)
-                self._grad_hooks.append(p.register_post_accumulate_grad_hook(
-                    weak_method(self._grad_done)))  # held in C++: no uncollectable cycle
+        trainable = [p for p in self._unhooked if p.requires_grad]
+        if trainable:
+            self._unhooked = [p for p in self._unhooked if not p.requires_grad]
+        for p in trainable:
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(
+                weak_method(self._grad_done)))  # held in C++: no uncollectable cycle
         self.reducer.follow()
 
     def _grad_done(self, p: nn.Parameter) -> None:
