@@ -9,7 +9,7 @@ and a LoRA backward would hold the whole base model at once.
 Its release point is the end of its unit's backward: the moment the autograd nodes that
 produced the unit's inputs are about to run, every grad flowing into those inputs, the unit's
 included, is complete (FSDP2 marks the same moment on the inputs). A unit whose inputs need no
-grad, or are leaves, has no such moment; its frozen parameters go when backward ends, as before.
+grad, or are leaves, has no such moment; its frozen parameters go when backward ends.
 """
 
 from __future__ import annotations
