@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-__all__ = ["CheckpointError", "sha256_of", "file_digest", "fsync_file", "fsync_directory", "umask",
-           "write_json_durably", "verify_file"]
 
 CHUNK = 8 << 20  # bytes hashed per read
 

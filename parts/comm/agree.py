@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional, TypeVar
 
-from parts.comm.failure import Failure, RankDisagreement, attempt, describe, failures_in
+from parts.comm.failure import Failure as Failure
+from parts.comm.failure import RankDisagreement as RankDisagreement
+from parts.comm.failure import attempt, describe, failures_in
 from parts.comm.group import GroupInfo
 from parts.comm.objects import all_gather_objects, broadcast_object
 
-__all__ = ["RankDisagreement", "Failure", "agree", "all_gather_agreed", "broadcast_agreed"]
 
 T = TypeVar("T")
 ErrorFor = Callable[[Mapping[int, Failure]], BaseException]

@@ -33,14 +33,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.stateful import Stateful
 
-from parts.base.files import CheckpointError
+from parts.base.files import CheckpointError as CheckpointError
 from parts.comm import dcp_files as files
 from parts.comm.agree import all_gather_agreed, broadcast_agreed
 from parts.comm.failure import Failure, describe
 from parts.comm.group import GroupArg, group_info
-from parts.comm.shard_view import ShardView, has_deferred, is_deferred, same_piece, settle
+from parts.comm.shard_view import ShardView as ShardView
+from parts.comm.shard_view import has_deferred
+from parts.comm.shard_view import is_deferred as is_deferred
+from parts.comm.shard_view import same_piece as same_piece
+from parts.comm.shard_view import settle as settle
 
-__all__ = ["ShardView", "save", "load", "settle", "is_deferred", "same_piece", "CheckpointError"]
 
 
 class _Ranks:

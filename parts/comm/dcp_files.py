@@ -31,8 +31,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 from parts.base.files import (CheckpointError, file_digest, fsync_directory, fsync_file, verify_file,
                               write_json_durably)
 
-__all__ = ["MANIFEST", "METADATA", "staging_path", "begin", "digests", "seal", "commit", "abandon",
-           "open_checkpoint", "read_metadata", "verify_reads"]
 
 MANIFEST = "parts_manifest.json"
 METADATA = ".metadata"  # DCP's own name for it

@@ -11,7 +11,6 @@ import traceback as _traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["Failure", "RankDisagreement", "attempt", "failures_in", "describe"]
 
 
 @dataclass(frozen=True)

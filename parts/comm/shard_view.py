@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from parts._compat import default_torch_function, storage_less_tensor
 from parts.base.boxes import flat_boxes
 
-__all__ = ["ShardView", "settle", "has_deferred", "is_deferred", "same_piece"]
 
 
 def is_deferred(piece: Any) -> bool:
