@@ -45,12 +45,13 @@ from parts.partition.interop.sharded_optim import (load_sharded_optimizer_state_
 from parts.partition.interop.sharded_state import load_sharded_state_dict, sharded_state_dict
 from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, RankDivergence, attach,
                                          detach, refresh, register_external_parameter)
+from parts.partition.coordinator.generating import generating
 
 __all__ = [
     "ShardLayout",
     "partitioned", "partition_module", "materialize",
     "ParamMeta", "ParamStatus", "is_partitioned", "meta",
-    "GatherHandle", "gather", "release", "gathered", "StoragePool",
+    "GatherHandle", "gather", "release", "gathered", "generating", "StoragePool",
     "ReduceHandle", "reduce_scatter_grads", "shards", "use_shards",
     "full_state_dict", "load_full_state_dict",
     "sharded_state_dict", "load_sharded_state_dict",

@@ -1,0 +1,208 @@
+"""``generating(model)``: inference on a sharded model without a gather per decoding step.
+
+Under ZeRO-3 every forward gathers every layer; ``generate()`` runs one forward per token, so
+it pays the whole model's all-gather per token. Inside ``generating``:
+
+* if the gathered model fits ``memory_budget`` bytes (default: half the memory this rank may
+  use, ``spare_memory``), every parameter is gathered once on entry (in its compute dtype
+  under ``MixedPrecision``) and released on exit; the coordinator's hooks stand aside
+  meanwhile (no fetch, no trace, no step), so a forward issues no collective at all and ranks
+  may run different numbers of forwards;
+* otherwise the coordinator streams the layers as in any no-grad step, prefetching along the
+  recorded forward order, with its live budget lowered so that the persistent parameters and
+  the gathered ones stay within ``memory_budget``; every forward is a collective, so
+  ``model.generate`` defaults to ``synced_gpus=True`` at world > 1 (a rank whose sequences
+  ended keeps running forwards until all ranks are done).
+
+All ranks agree on the choice (the smallest budget decides). Nothing a training step reads
+changes: traces, counters and persistent parameters are as they were, so training after the
+block equals training without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from parts.comm.collectives import min_max
+from parts.partition.coordinator.api import attach
+from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
+from parts.partition.core.gather import gather, release
+from parts.partition.core.param import ParamStatus, is_partitioned, meta, wanted_dtype
+
+__all__ = ["generating", "spare_memory", "GATHERED", "STREAMED"]
+
+GATHERED = "gathered"  # every parameter gathered once for the block
+STREAMED = "streamed"  # layers gathered per forward within the budget
+
+
+def _host_available() -> int:
+    """Bytes the OS says it can give without swapping (``MemAvailable``), 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def spare_memory(device: torch.device, local_ranks: int) -> int:
+    """Half the free memory of ``device`` (host memory for CPU) shared by ``local_ranks`` ranks."""
+    if device.type != "cpu" and hasattr(torch.accelerator, "get_memory_info"):
+        free = torch.accelerator.get_memory_info(device)[0]
+        return free // 2
+    return _host_available() // (2 * max(local_ranks, 1))
+
+
+def _coordinator_of(model: nn.Module) -> Optional[FetchCoordinator]:
+    """The coordinator attached to ``model`` or to the first of its submodules that has one."""
+    for sub in model.modules():
+        found = attached_to(sub)
+        if found is not None:
+            return found
+    return None
+
+
+def _sharded(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in dict.fromkeys(model.parameters()) if is_partitioned(p)]
+    if not params:
+        raise ValueError(f"generating: {type(model).__name__} has no sharded parameters (build it under "
+                         "parts.partition.partitioned() or shard it with partition_module)")
+    return params
+
+
+def _nbytes(p: nn.Parameter, compute: bool) -> int:
+    m = meta(p)
+    return m.numel * wanted_dtype(m, compute).itemsize
+
+
+def _budget(memory_budget: Optional[int], params: list[nn.Parameter]) -> int:
+    if memory_budget is None:
+        first = meta(params[0])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or first.world_size
+        return spare_memory(first.shard.device, local)
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 0:
+        raise ValueError(f"generating: memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
+    return memory_budget
+
+
+@contextlib.contextmanager
+def generating(model: nn.Module, memory_budget: Optional[int] = None) -> Iterator[str]:
+    """Run inference (``model.generate``, forwards) on a sharded model without a gather per step.
+
+    Yields ``"gathered"`` (the whole model fit the budget and was gathered once) or
+    ``"streamed"`` (layers are gathered per forward, within the budget). A collective on entry:
+    call it on every rank."""
+    coordinator = _coordinator_of(model)
+    if coordinator is not None and coordinator._stack:
+        raise RuntimeError("generating: called inside a forward of the attached model")
+    params = _sharded(model)
+    attached = coordinator is not None
+    need = sum(_nbytes(p, attached) for p in params)
+    budget = _budget(memory_budget, params)
+    group = coordinator.group if attached else None
+    fits = bool(min_max(torch.tensor([float(need <= budget)]), group)[0].item())
+    if fits:
+        with _whole(params, coordinator):
+            yield GATHERED
+        return
+    with _streamed(model, coordinator, budget):
+        yield STREAMED
+
+
+@contextlib.contextmanager
+def _whole(params: list[nn.Parameter], coordinator: Optional[FetchCoordinator]) -> Iterator[None]:
+    """Every parameter gathered for the block, the hooks standing aside; released on exit."""
+    before = {id(p) for p in params if meta(p).status is ParamStatus.AVAILABLE}
+    pool = coordinator.live.pool if coordinator is not None else None
+    group = coordinator.group if coordinator is not None else None
+    gather(params, group, pool=pool, compute=coordinator is not None)
+    root = None
+    if coordinator is not None:  # every hook returns at once while the coordinator has no root
+        root, coordinator._root = coordinator._root, None
+    try:
+        yield
+    finally:
+        if coordinator is not None:
+            coordinator._root = root
+        release([p for p in params if id(p) not in before], free_storage=True, pool=pool)
+
+
+def _largest_unit(coordinator: FetchCoordinator) -> int:
+    """Elements of the largest fetch unit that is not persistent: the least a forward holds."""
+    table = coordinator.table
+    sizes = [sum(table.sizes[pid] for pid in ids if pid not in table.persistent) for ids in table.sets]
+    return max(sizes, default=0)
+
+
+def _live_budget(coordinator: FetchCoordinator, budget: int) -> int:
+    """``budget`` bytes less the persistent parameters, in elements of the widest compute dtype."""
+    table = coordinator.table
+    params = [table.params[pid] for pid in table.params]
+    persistent = sum(_nbytes(table.params[pid], True) for pid in table.persistent)
+    itemsize = max(wanted_dtype(meta(p), True).itemsize for p in params)
+    elements = (budget - persistent) // itemsize
+    least = _largest_unit(coordinator)
+    if elements < least:
+        raise ValueError(f"generating: memory_budget={budget} bytes cannot hold the persistent parameters "
+                         f"({persistent} bytes) and the largest fetch unit ({least * itemsize} bytes); "
+                         "raise the budget, or attach with a smaller fetch_unit_size / persistence_threshold")
+    return elements
+
+
+@contextlib.contextmanager
+def _streamed(model: nn.Module, coordinator: Optional[FetchCoordinator], budget: int) -> Iterator[None]:
+    """The coordinator's no-grad steps within ``budget``; ``generate`` in lock step across ranks."""
+    temporary = coordinator is None
+    if temporary:
+        coordinator = attach(model)
+    knobs = coordinator.knobs
+    tight = dataclasses.replace(knobs, max_live_parameters=min(knobs.max_live_parameters,
+                                                               _live_budget(coordinator, budget)))
+    coordinator.live.knobs = coordinator.prefetcher.knobs = tight
+    synced = _synced_generate(model, meta(next(iter(coordinator.table.params.values()))).world_size)
+    try:
+        yield
+    finally:
+        synced.close()
+        coordinator.live.knobs = coordinator.prefetcher.knobs = knobs
+        if temporary:
+            coordinator.detach()
+
+
+class _SyncedGenerate:
+    """``model.generate`` with ``synced_gpus=True`` as its default while the block runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.installed = "generate" not in vars(model) and callable(getattr(model, "generate", None))
+        if self.installed:
+            plain = model.generate
+
+            @functools.wraps(plain)
+            def generate(*args: Any, **kwargs: Any) -> Any:
+                kwargs.setdefault("synced_gpus", True)
+                return plain(*args, **kwargs)
+
+            model.generate = generate
+
+    def close(self) -> None:
+        """Give the model its own ``generate`` back."""
+        if self.installed:
+            del self.model.generate
+
+
+def _synced_generate(model: nn.Module, world_size: int) -> "_SyncedGenerate":
+    if world_size > 1:
+        return _SyncedGenerate(model)
+    synced = _SyncedGenerate.__new__(_SyncedGenerate)
+    synced.model, synced.installed = model, False
+    return synced

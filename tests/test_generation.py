@@ -1,0 +1,157 @@
+"""``generating(model)``: generate() on a sharded HF model equals the unsharded model's, whether
+the model is gathered once or streamed within a budget, and training after it is unchanged."""
+
+import pytest
+import torch
+
+from harness import run
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+
+
+def _gpt2() -> "torch.nn.Module":
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> "torch.nn.Module":
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+_BUILD = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _pair(kind: str, **knobs) -> tuple:
+    """A sharded attached model and an unsharded one holding the same weights."""
+    from parts.partition import attach, full_state_dict, partitioned
+    torch.manual_seed(0)
+    with partitioned():
+        model = _BUILD[kind]()
+    coordinator = attach(model, **knobs)
+    torch.manual_seed(0)
+    plain = _BUILD[kind]()
+    plain.load_state_dict(full_state_dict(model, rank0_only=False))
+    return model.eval(), plain.eval(), coordinator
+
+
+def _prompt(rank: int, length: int = 5) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, length), generator=torch.Generator().manual_seed(10 + rank))
+
+
+def _ways(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
+    """Greedy, sampled (seeded) and beam-search tokens of ``model``."""
+    out = {"greedy": model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)}
+    torch.manual_seed(7)
+    out["sample"] = model.generate(prompt, max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0)
+    out["beam"] = model.generate(prompt, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0)
+    return out
+
+
+def _gathered_case(kind: str) -> dict:
+    import torch.distributed as dist
+    from parts.partition import generating
+    model, plain, coordinator = _pair(kind)
+    prompt = _prompt(dist.get_rank())
+    before = coordinator.stats()
+    with generating(model) as mode:
+        got = _ways(model, prompt)
+    return dict(mode=mode, got=got, ref=_ways(plain, prompt), no_step=coordinator.stats() is before)
+
+
+@pytest.mark.parametrize("kind,world", [("gpt2", 2), ("llama", 3)])
+def test_generate_gathered_once_equals_the_unsharded_model(kind, world):
+    for out in run(world, _gathered_case, kind, timeout=120):
+        assert out["mode"] == "gathered" and out["no_step"]  # no forward was a coordinator step
+        for way, tokens in out["ref"].items():
+            assert torch.equal(out["got"][way], tokens), way
+
+
+def _resident_bytes(model: torch.nn.Module) -> int:
+    from parts.partition import ParamStatus, is_partitioned, meta
+    return sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters())
+               if is_partitioned(p) and meta(p).status is not ParamStatus.NOT_AVAILABLE)
+
+
+def _streamed_case(kind: str) -> dict:
+    import torch.distributed as dist
+    from parts.partition import generating
+    model, plain, _ = _pair(kind, persistence_threshold=0, fetch_unit_size=0, prefetch_bucket_size=4000)
+    whole = sum(p.numel() * 4 for p in plain.parameters())
+    budget = whole // 2
+    peak = [0]
+
+    def probe(*_):
+        peak[0] = max(peak[0], _resident_bytes(model))
+
+    handles = [m.register_forward_hook(probe) for m in model.modules()]
+    rank = dist.get_rank()
+    prompt = _prompt(rank, length=3 + 4 * rank)  # uneven lengths and lengths of output per rank
+    new = 4 + 5 * rank
+    with generating(model, memory_budget=budget) as mode:
+        got = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    for h in handles:
+        h.remove()
+    ref = plain.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    return dict(mode=mode, same=torch.equal(got, ref), peak=peak[0], budget=budget, whole=whole)
+
+
+@pytest.mark.parametrize("kind,world", [("gpt2", 2), ("llama", 3)])
+def test_generate_streamed_within_a_budget_equals_the_unsharded_model(kind, world):
+    for out in run(world, _streamed_case, kind, timeout=120):
+        assert out["mode"] == "streamed" and out["same"]
+        assert 0 < out["peak"] <= out["budget"] < out["whole"]
+
+
+def _train(model: torch.nn.Module, optimizer, steps: int, rank: int) -> list:
+    losses = []
+    for i in range(steps):
+        x = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(100 * i + rank))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _training_case(generate: bool, mixed: bool) -> dict:
+    import torch.distributed as dist
+    from parts.partition import MixedPrecision, full_state_dict, generating, shards
+    knobs = dict(persistence_threshold=0, fetch_unit_size=0)
+    if mixed:
+        knobs["mixed_precision"] = MixedPrecision()
+    model, plain, coordinator = _pair("gpt2", **knobs)
+    model.train()
+    optimizer = torch.optim.AdamW(shards(model), lr=1e-2)
+    rank = dist.get_rank()
+    losses = _train(model, optimizer, 2, rank)
+    tokens = {}
+    if generate:
+        model.eval()
+        budget = sum(p.numel() * 4 for p in plain.parameters()) // 4  # below the bf16 model too
+        for name, limit in (("gathered", None), ("streamed", budget)):
+            with generating(model, memory_budget=limit) as mode:
+                tokens[mode] = model.generate(_prompt(rank), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        model.train()
+    losses += _train(model, optimizer, 2, rank)
+    stats = coordinator.stats()
+    return dict(losses=torch.stack(losses), digest=stats.trace_digest, tokens=tokens,
+                state=full_state_dict(model, rank0_only=False))
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_training_after_generation_equals_training_without_it(mixed):
+    with_it = run(2, _training_case, True, mixed, timeout=120)
+    without = run(2, _training_case, False, mixed, timeout=120)
+    for a, b in zip(with_it, without):
+        assert torch.equal(a["losses"], b["losses"]) and a["digest"] == b["digest"]
+        assert a["state"].keys() == b["state"].keys()
+        assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+        # the same bf16 (or fp32) weights whether gathered once or streamed: the same tokens
+        assert torch.equal(a["tokens"]["gathered"], a["tokens"]["streamed"])
