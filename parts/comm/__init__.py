@@ -9,7 +9,7 @@ a small module of its domain collectives on top of this; nothing else in ``parts
 ``torch.distributed`` (torch-version shims stay in ``parts._compat``).
 """
 
-from parts.comm.collectives import (ReduceOp, all_gather, all_gather_list, all_gather_many,
+from parts.comm.collectives import (ReduceOp, group_key, all_gather, all_gather_list, all_gather_many,
                                     all_reduce, broadcast, comm_device, min_max, new_group,
                                     reduce_scatter, reduce_scatter_many)
 from parts.comm.agree import RankDisagreement, agree
@@ -17,17 +17,17 @@ from parts.comm.counter import CommCounter, comm_counter, wire_bytes
 from parts.comm.fake import fake_world
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
-from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size,
+from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size, hybrid_groups,
                               global_rank, group_info, is_distributed, is_member, require_distributed,
                               resolve_group)
 from parts.comm.work import Waitable, Work, WorkList
 
 __all__ = [
     "ProcessGroup", "GroupArg", "GroupInfo", "WeakGroup", "resolve_group", "group_info", "check_member", "is_member",
-    "require_distributed", "is_distributed", "global_rank", "env_world_size",
+    "require_distributed", "is_distributed", "global_rank", "env_world_size", "hybrid_groups",
     "CommCounter", "comm_counter", "wire_bytes",
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
     "all_reduce", "min_max", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
-    "new_group", "comm_device", "all_gather_direct", "reduce_scatter_consuming",
+    "new_group", "comm_device", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "agree", "RankDisagreement", "fake_world",
 ]

@@ -28,6 +28,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def group_key(info: GroupInfo) -> str:
+    """The ledger key of a group in ``comm_counter.by_group()``: its members' global ranks
+    ("0,1,2,3"), "local" for a world of one."""
+    if info.world_size == 1:
+        return "local"
+    return ",".join(map(str, info.global_ranks()))
+
+
+def _count(kind: str, nbytes: int, info: GroupInfo) -> None:
+    comm_counter.add(kind, nbytes, group=group_key(info))
+
+
 def _run_many(collective: Callable, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor],
               info: GroupInfo, async_op: bool) -> Optional[Waitable]:
     """``collective(out, inp)`` per pair, issued back to back (the backend runs them in order);
@@ -62,7 +74,7 @@ def all_gather_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], i
                     async_op: bool = False) -> Optional[Waitable]:
     """All-gather every ``ins[k]`` into ``outs[k]``, counted as one call: large ones straight
     into ``outs[k]``, small ones packed into one flat collective (``parts.comm.packed``)."""
-    comm_counter.add("allgather", wire_bytes(sum(_nbytes(i) for i in ins), info.world_size))
+    _count("allgather", wire_bytes(sum(_nbytes(i) for i in ins), info.world_size), info)
     return _packing(all_gather_direct, PackedAllGather, outs, ins, ins, info, async_op)
 
 
@@ -74,7 +86,7 @@ def reduce_scatter_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor
     on gloo the chunks travel narrow: see ``parts.comm.gloo``)."""
     narrow = info.world_size > 1 and sums_on_receipt(dist.ReduceOp.SUM, info.group)
     chunk_bytes = sum(o.numel() * (i if narrow else o).element_size() for o, i in zip(outs, ins))
-    comm_counter.add("reduce_scatter", wire_bytes(chunk_bytes, info.world_size))
+    _count("reduce_scatter", wire_bytes(chunk_bytes, info.world_size), info)
     divide_by = info.world_size if average else 1
     collective = partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM, divide_by=divide_by)
     return _packing(collective, PackedReduceScatter, outs, ins, outs, info, async_op)
@@ -84,7 +96,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, *, direct:
     """Every rank's equal-size 1-D ``inp`` into ``out``, in rank order; ``direct``: straight into
     ``out`` on gloo (``parts.comm.gloo.all_gather_direct``), else torch's all-gather."""
     if info.world_size == 1 or not direct:
-        comm_counter.add("allgather", wire_bytes(_nbytes(inp), info.world_size))
+        _count("allgather", wire_bytes(_nbytes(inp), info.world_size), info)
         if info.world_size == 1:
             out.copy_(inp)
         else:
@@ -100,7 +112,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, *, con
     if consume:
         reduce_scatter_many([out], [inp], info, average=average)
         return
-    comm_counter.add("reduce_scatter", wire_bytes(_nbytes(out), info.world_size))
+    _count("reduce_scatter", wire_bytes(_nbytes(out), info.world_size), info)
     if info.world_size == 1:
         out.copy_(inp)
     else:
@@ -111,7 +123,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, *, con
 
 def all_reduce(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = ReduceOp.SUM) -> torch.Tensor:
     """``t`` reduced over the group in place (returned); counted as a reduce-scatter plus an all-gather."""
-    comm_counter.add("all_reduce", 2 * wire_bytes(_nbytes(t), info.world_size) // max(info.world_size, 1))
+    _count("all_reduce", 2 * wire_bytes(_nbytes(t), info.world_size) // max(info.world_size, 1), info)
     if info.world_size > 1:
         dist.all_reduce(t, op=op, group=info.group)
     return t
@@ -119,7 +131,7 @@ def all_reduce(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = Reduce
 
 def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:
     """Broadcast ``tensor`` in place from group rank ``src``."""
-    comm_counter.add("broadcast", _nbytes(tensor) if info.world_size > 1 else 0)
+    _count("broadcast", _nbytes(tensor) if info.world_size > 1 else 0, info)
     if info.world_size == 1 or tensor.numel() == 0:
         return
     dist.broadcast(tensor, src=info.global_rank(src), group=info.group)
@@ -129,7 +141,7 @@ def all_gather_list(x: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:
     """Every rank's ``x`` (same shape everywhere) as a list in rank order (``x`` itself alone)."""
     if info.world_size == 1:
         return [x]
-    comm_counter.add("allgather", wire_bytes(_nbytes(x), info.world_size))
+    _count("allgather", wire_bytes(_nbytes(x), info.world_size), info)
     out = [torch.empty_like(x) for _ in range(info.world_size)]
     dist.all_gather(out, x, group=info.group)
     return out

@@ -10,6 +10,11 @@ counts 0 bytes; calls are counted anyway.
 
 The counter is process-wide, like torch's own allocator statistics: it observes, it
 configures nothing, and a test or benchmark reads differences of two ``snapshot()``s.
+
+Beside the totals it keeps a ledger per process group (``by_group()``): the same bytes and
+calls, keyed by the group's global ranks as a string (``"0,1"``; ``"local"`` for a world of
+one) and the kind, so a hybrid layout shows what crossed which group (on a cluster, which
+bytes left the node). The totals are the sums of the ledger.
 """
 
 from __future__ import annotations
@@ -35,19 +40,46 @@ class CommCounter:
     broadcast_bytes: int = 0
     broadcast_calls: int = 0
 
-    def add(self, kind: str, nbytes: int, calls: int = 1) -> None:
-        """Count ``calls`` collectives of ``kind`` ("allgather", "reduce_scatter", ...) moving ``nbytes``."""
+    def add(self, kind: str, nbytes: int, calls: int = 1, group: str = "local") -> None:
+        """Count ``calls`` collectives of ``kind`` ("allgather", "reduce_scatter", ...) moving
+        ``nbytes`` over ``group`` (its ledger key: see ``group_key``)."""
         setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + nbytes)
         setattr(self, f"{kind}_calls", getattr(self, f"{kind}_calls") + calls)
+        row = self._ledger().setdefault(group, {})
+        row[f"{kind}_bytes"] = row.get(f"{kind}_bytes", 0) + nbytes
+        row[f"{kind}_calls"] = row.get(f"{kind}_calls", 0) + calls
+
+    def _ledger(self) -> dict[str, dict[str, int]]:
+        ledger = self.__dict__.get("_groups")
+        if ledger is None:
+            ledger = self.__dict__["_groups"] = {}
+        return ledger
+
+    def by_group(self) -> dict[str, dict[str, int]]:
+        """Bytes and calls per group and kind: ``{"0,1": {"allgather_bytes": ..., ...}, ...}``
+        (a copy; the keys are the members' global ranks)."""
+        return {g: dict(row) for g, row in self._ledger().items()}
 
     def reset(self) -> None:
-        """Zero every counter (e.g. at the start of a step)."""
+        """Zero every counter (e.g. at the start of a step), the ledger per group too."""
         for name in self.__dataclass_fields__:
             setattr(self, name, 0)
+        self._ledger().clear()
 
     def snapshot(self) -> dict[str, int]:
         """The counters as a plain dict."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def ledger_since(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``after - before`` of two ``by_group()`` ledgers (groups and kinds that moved nothing left out)."""
+    out: dict[str, dict[str, int]] = {}
+    for group, row in after.items():
+        old = before.get(group, {})
+        diff = {k: v - old.get(k, 0) for k, v in row.items() if v != old.get(k, 0)}
+        if diff:
+            out[group] = diff
+    return out
 
 
 comm_counter = CommCounter()

@@ -166,3 +166,38 @@ def resolve_group(group: GroupArg = None, what: str = "parts", *,
         raise RuntimeError(f"{what}: the default process group has one rank but "
                            f"WORLD_SIZE={env}; every rank would silently hold everything")
     return info
+
+
+def _mesh_groups(mesh: object, what: str) -> tuple[GroupArg, GroupArg]:
+    """``(shard group, replicate group)`` of a ``DeviceMesh``: a 2-D mesh's dims are (replicate,
+    shard) as FSDP2 takes them; a 1-D mesh shards over its one dim."""
+    ndim = getattr(mesh, "ndim", None)
+    if ndim == 1:
+        return mesh.get_group(0), None
+    if ndim != 2:
+        raise ValueError(f"{what}: mesh must be a 1-D or 2-D DeviceMesh with dims (replicate, shard), "
+                         f"got {mesh!r}")
+    return mesh.get_group(1), mesh.get_group(0)
+
+
+def hybrid_groups(group: GroupArg = None, replicate_group: GroupArg = None, mesh: object = None,
+                  what: str = "parts") -> tuple[GroupInfo, Optional[GroupInfo]]:
+    """The shard group and the replica group (None: no replicas) of a hybrid layout, resolved
+    strictly (``resolve_group``); given as ``group``/``replicate_group`` or as a ``mesh``. The two
+    groups must meet in this rank alone (a replica group of one rank is no replica group)."""
+    if mesh is not None:
+        if group is not None or replicate_group is not None:
+            raise ValueError(f"{what}: pass either mesh= or group=/replicate_group=, not both")
+        group, replicate_group = _mesh_groups(mesh, what)
+    info = resolve_group(group, what)
+    if replicate_group is None:
+        return info, None
+    replica = resolve_group(replicate_group, f"{what} (replicate_group)")
+    if replica.world_size == 1:
+        return info, None
+    common = set(info.global_ranks()) & set(replica.global_ranks())
+    if common != {global_rank()}:
+        raise ValueError(f"{what}: the shard group (global ranks {info.global_ranks()}) and the "
+                         f"replicate group ({replica.global_ranks()}) must share exactly this rank "
+                         f"({global_rank()}), as the rows and columns of a (replicate, shard) mesh do")
+    return info, replica

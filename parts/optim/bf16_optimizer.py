@@ -13,6 +13,7 @@ from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ProcessGroup, WeakGroup, resolve_group
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.core.points import announce
+from parts.partition.core.replicas import pending_records, sync_replica_grads
 
 from . import _collectives as C
 from . import offloaded
@@ -221,6 +222,7 @@ class BF16Optimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         announce([s.param for sh in self.sharded_groups for s in sh], "BF16Optimizer.step")
+        sync_replica_grads(pending_records(s.param for sh in self.sharded_groups for s in sh))
         if not self._has_grads and not self._sharded_have_grads():
             raise RuntimeError("BF16Optimizer.step() was called before any backward produced "
                                "gradients (or right after zero_grad()); call loss.backward() first")

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from parts.partition.construction import intercept as _intercept
-from parts.comm import GroupArg, GroupInfo, broadcast, resolve_group
+from parts.comm import GroupArg, GroupInfo, broadcast, hybrid_groups
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
@@ -138,6 +138,8 @@ def _adopt(module: nn.Module, spec: ShardSpec) -> None:
     shard_params(todo, spec)
     _name_records(module)
     _sync_buffers(module, spec.info)
+    if spec.replica is not None:
+        _sync_buffers(module, spec.replica)
     modules = list(module.modules())
     for fn in _on_sharded:
         fn(modules)
@@ -299,19 +301,24 @@ def _uninstall(ok: bool) -> None:
 
 # ----------------------------------------------------------------- public
 class partitioned:
-    """Context manager: every module built inside has its parameters sharded after its ``__init__``."""
+    """Context manager: every module built inside has its parameters sharded after its ``__init__``.
+
+    A hybrid layout: ``replicate_group`` (or ``mesh``, a 2-D ``DeviceMesh`` with dims
+    (replicate, shard) as FSDP2 takes it) keeps the shards on ``group`` and one copy of them
+    on every member of ``replicate_group``; grad shards are averaged across it."""
 
     def __init__(self, group: GroupArg = None, *, dtype: Optional[torch.dtype] = None,
                  device: Any = None, remote_device: Any = None, pin_memory: bool = False,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, replicate_group: GroupArg = None, mesh: Any = None) -> None:
         self.enabled = enabled
         self._args = (group, dtype, device, remote_device, pin_memory)
+        self._hybrid = (replicate_group, mesh)
         self._pushed = False
         self._meta_device: Optional[torch.device] = None  # entered while building on meta
 
     def __enter__(self) -> "partitioned":
         group, dtype, device, remote_device, pin_memory = self._args
-        spec = (ShardSpec(resolve_group(group, "parts.partition"), dtype, device, remote_device, pin_memory)
+        spec = (_spec(group, *self._hybrid, dtype, device, remote_device, pin_memory)
                 if self.enabled else None)
         if not _state.configs and not self.enabled:
             return self  # a plain build: nothing to patch
@@ -336,12 +343,21 @@ class partitioned:
             _uninstall(exc_type is None)
 
 
+def _spec(group: GroupArg, replicate_group: GroupArg, mesh: Any, *args: Any) -> ShardSpec:
+    """The ``ShardSpec`` of a call: shards over ``group`` (or the mesh's shard dim), replicated
+    over ``replicate_group`` (or the mesh's replicate dim) when there is one."""
+    info, replica = hybrid_groups(group, replicate_group, mesh, "parts.partition")
+    return ShardSpec(info, *args, replica=replica)
+
+
 @internal
 def partition_module(module: nn.Module, group: GroupArg = None, *, dtype: Optional[torch.dtype] = None,
-                     device: Any = None, remote_device: Any = None, pin_memory: bool = False) -> nn.Module:
-    """Shard an existing module's parameters in place (rank 0's values); returns ``module``."""
+                     device: Any = None, remote_device: Any = None, pin_memory: bool = False,
+                     replicate_group: GroupArg = None, mesh: Any = None) -> nn.Module:
+    """Shard an existing module's parameters in place (rank 0's values); returns ``module``.
+    ``replicate_group``/``mesh``: a hybrid layout, as for ``partitioned``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition_module: expected an nn.Module, got {type(module).__name__}")
-    spec = ShardSpec(resolve_group(group, "parts.partition"), dtype, device, remote_device, pin_memory)
+    spec = _spec(group, replicate_group, mesh, dtype, device, remote_device, pin_memory)
     _adopt(module, spec)
     return module

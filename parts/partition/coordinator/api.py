@@ -1,5 +1,5 @@
 """The module-level entry points of the coordinator: ``attach``, ``detach``,
-``register_external_parameter``, ``refresh``."""
+``register_external_parameter``, ``refresh``, ``set_replica_sync``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 
 from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
 
-__all__ = ["attach", "detach", "register_external_parameter", "refresh"]
+__all__ = ["attach", "detach", "register_external_parameter", "refresh", "set_replica_sync"]
 
 
 def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
@@ -48,3 +48,16 @@ def refresh(module: nn.Module) -> None:
         raise RuntimeError(f"refresh: {type(module).__name__} has no attached FetchCoordinator; "
                            "without one, parts.partition.gather(params) fetches current values")
     coordinator.steps.refresh()
+
+
+def set_replica_sync(module_or_coordinator: Union[nn.Module, FetchCoordinator], when: str) -> None:
+    """Hybrid layouts: when grad shards are averaged across replicas. ``"step"`` (the default):
+    once, right before an optimizer step or a norm reads them, so gradient accumulation pays the
+    cross-replica bytes once per step; ``"backward"``: at the end of every backward."""
+    if when not in ("step", "backward"):
+        raise ValueError(f"set_replica_sync: when must be 'step' or 'backward', got {when!r}")
+    coordinator = (module_or_coordinator if isinstance(module_or_coordinator, FetchCoordinator)
+                   else attached_to(module_or_coordinator))
+    if coordinator is None or coordinator._root is None:
+        raise RuntimeError("set_replica_sync: no attached FetchCoordinator; call attach(model) first")
+    coordinator.reducer.replica_sync = when

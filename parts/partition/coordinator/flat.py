@@ -39,6 +39,7 @@ from parts.partition.core import disk
 from parts.partition.core.grad_guard import as_grad_shard, internal, raw_grad
 from parts.partition.core.grad_guard import set_raw_grad as _set_grad
 from parts.partition.core.grads import accumulate_into
+from parts.partition.core.replicas import mark_pending
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, memory_versions, wanted_dtype,
                                         watch_shards)
 
@@ -234,6 +235,7 @@ class FlatReduce:
         recv = alloc(sum(self.sizes), self.reduce_dtype, flat.device)
         reduce_scatter_many([recv], [send], flat.info, average=True)
         self._land(recv)
+        mark_pending(self.records)  # a hybrid layout's cross-replica mean follows (core/replicas.py)
 
     def _land(self, recv: torch.Tensor) -> None:
         """Add ``recv`` into the grad shards: one op while they are this buffer's views, the

@@ -94,6 +94,9 @@ class ParamMeta:
     # (core/points.py): collectives outside its steps over this param are agreed across ranks
     in_flat: bool = False  # the full tensor is a view of a buffer shared with other params (the
     # coordinator's flat persistent buffer): never freed or refilled alone
+    replica: Optional[GroupInfo] = None  # a hybrid layout's replica group: the same shard on each
+    # member, its grad shard averaged across them (core/replicas.py)
+    replica_pending: bool = False  # the grad shard holds this replica's part only, not yet averaged
 
     @property
     def status(self) -> ParamStatus:

@@ -38,6 +38,7 @@ class ShardSpec:
     device: Optional[torch.device] = None
     remote_device: Optional[Any] = None  # a device, or a parts.offload.DiskStore (partition/core/disk.py)
     pin_memory: bool = False
+    replica: Optional[GroupInfo] = None  # a hybrid layout's replica group (shards identical across it)
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
@@ -125,6 +126,8 @@ def shard_params(named: list[tuple[str, nn.Parameter]], spec: ShardSpec) -> list
     params = [p for _, p in todo]
     shapes = [p.shape for p in params]
     flats, first_id = _shared_values(params, spec, _ids["next"])
+    if spec.replica is not None and not spec.on_meta:
+        first_id = _from_first_replica(flats, spec, first_id)
     _ids["next"] = first_id + len(params)
     return [_finish(name, p, flat, shape, first_id + k, spec)
             for k, ((name, p), flat, shape) in enumerate(zip(todo, flats, shapes))]
@@ -148,6 +151,27 @@ def _shared_values(params: list[nn.Parameter], spec: ShardSpec, first_id: int) -
     return flats, rank0_id
 
 
+def _from_first_replica(flats: list[torch.Tensor], spec: ShardSpec, first_id: int) -> int:
+    """Every replica takes the first replica's values of this rank's shard ranges and its next
+    id (one shard-sized broadcast over the replica group): replicas start identical, from
+    global rank 0's values, whatever each seeded."""
+    rank, world = spec.info.rank, spec.info.world_size
+    pieces = []
+    for flat in flats:
+        start, stop = ShardLayout(flat.numel(), world).range(rank)
+        pieces.append(flat[start:stop].view(torch.uint8))
+    device = flats[0].device
+    extra = torch.tensor([first_id], dtype=torch.int64, device=device).view(torch.uint8)
+    buf = torch.cat(pieces + [extra])
+    broadcast(buf, 0, spec.replica)
+    off = 0
+    with torch.no_grad():
+        for piece in pieces:
+            piece.copy_(buf[off:off + piece.numel()])
+            off += piece.numel()
+    return int(buf[-8:].view(torch.int64).item())
+
+
 def _finish(name: str, p: nn.Parameter, flat: torch.Tensor, shape: torch.Size, pid: int,
             spec: ShardSpec) -> ParamMeta:
     """Build the record for ``p`` from its full flat values; ``p.data`` stays empty."""
@@ -157,7 +181,7 @@ def _finish(name: str, p: nn.Parameter, flat: torch.Tensor, shape: torch.Size, p
     if disk.store_of(spec.remote_device) is not None:
         disk.park_shard(shard, spec.remote_device, pid)
     record = ParamMeta(name=name, shape=shape, dtype=sdtype, layout=layout, shard=shard,
-                       info=spec.info, id=pid, device=dev, init_dtype=flat.dtype)
+                       info=spec.info, id=pid, device=dev, init_dtype=flat.dtype, replica=spec.replica)
     p.data = empty_like_released(sdtype, dev)
     attach_meta(p, record)
     return record
@@ -181,6 +205,8 @@ def reshard(pairs: list[tuple[nn.Parameter, ParamMeta]], src: int, keep: bool = 
         for (p, _), off, n in zip(group, offs, numels):
             flat[off:off + n].copy_(p.detach().reshape(-1))
         broadcast(flat, src, info)
+        if group[0][1].replica is not None:  # the first replica's values everywhere
+            broadcast(flat, 0, group[0][1].replica)
         for (p, m), off, n in zip(group, offs, numels):
             write_shard(m.shard, flat[off:off + n], m.layout, m.rank)
             if keep:

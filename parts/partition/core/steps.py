@@ -42,6 +42,8 @@ _checked = WeakIdKeyDictionary()
 _listeners: list[weakref.WeakMethod] = []
 """Bound methods (held weakly) called after each outermost optimizer step."""
 _hooks: dict[str, Any] = {}
+_before: list[Callable[[torch.optim.Optimizer], None]] = []
+"""Functions called with each optimizer before its step (``before_each_step``)."""
 _STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
 """The code of torch's wrapper around every ``Optimizer.step``: a frame running it is a step."""
 
@@ -74,7 +76,10 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Refuse a step over sharded parameters themselves (not their shards), naming the fix."""
+    """Refuse a step over sharded parameters themselves (not their shards), naming the fix;
+    then run the ``before_each_step`` functions."""
+    for fn in _before:
+        fn(optimizer)
     groups = optimizer.param_groups
     size = sum(len(g["params"]) for g in groups)
     if _checked.get(optimizer) == size:
@@ -101,6 +106,14 @@ def install() -> None:
     if not _hooks:
         _hooks["post"] = register_optimizer_step_post_hook(_after_step)
         _hooks["pre"] = register_optimizer_step_pre_hook(_before_step)
+
+
+def before_each_step(fn: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Call ``fn(optimizer)`` before every optimizer step from now on (registering twice is once):
+    what must land in the grad shards before a step reads them (core/replicas.py)."""
+    install()
+    if fn not in _before:
+        _before.append(fn)
 
 
 def watch(shard: torch.Tensor, record: Any) -> None:

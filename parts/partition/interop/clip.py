@@ -21,6 +21,7 @@ from parts.comm.norm import counts, global_norm, scale_
 from parts.partition.core import disk
 from parts.partition.core.grad_guard import internal, raw_grad
 from parts.partition.core.param import is_partitioned, meta, unique_params
+from parts.partition.core.replicas import pending_records, sync_replica_grads
 
 Params = Union[nn.Module, Iterable[torch.Tensor]]
 
@@ -78,7 +79,8 @@ def grad_norm(model_or_params: Params, norm_type: float = 2.0, *, grid: Any = No
     shards in memory, in a ``DiskStore`` (read one at a time) or consumed by a step during
     backward (``OffloadedOptimizer.step_in_backward``: their norms were kept)."""
     params = _params(model_or_params)
-    info = _info(params, grid)
+    sync_replica_grads(pending_records(params))  # a hybrid layout's grads: the mean over replicas
+    info = _info(params, grid)  # the shard group: each element counts once, never per replica
     counted = _counted(params, info, grid)
     consumed = {id(p): _consumed(p, norm_type) for p in counted}
     kept = [n for n in consumed.values() if n is not None]

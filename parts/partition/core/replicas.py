@@ -1,0 +1,120 @@
+"""Hybrid layouts: grad shards averaged across the replica group, once per optimizer step.
+
+In a hybrid layout (``partitioned(group=shard_group, replicate_group=replica_group)``) each
+backward reduce-scatters the grads over the shard group (averaged there) and adds the result
+into the grad shards, which then hold this replica's part only: the record is marked
+pending. The all-reduce across replicas (sum, divided by the replica count: the mean over
+every rank) runs once, right before something reads the grads: an optimizer step over the
+shards (a process-wide step pre-hook), ``grad_norm``/``clip_grad_norm_``,
+``BF16Optimizer.step``, or a coordinator at each backward's end when told so
+(``FetchCoordinator.set_replica_sync("backward")``). Under gradient accumulation the
+cross-replica bytes are so paid once per step, not once per micro-batch; syncing earlier
+is exact too (an averaged grad shard is the same on every replica, and the mean of it plus
+new parts is it plus the mean of the new parts).
+
+Bucketed: the pending grad shards of one replica group, dtype and device are packed into
+buckets of at most ``bucket_numel`` elements, one all-reduce each, in record-id order (the
+same on every member of the group). Replicas stay bitwise identical: an all-reduce gives
+every member the same sums.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+
+from parts.comm import all_reduce, group_key
+from parts.partition.core import disk
+from parts.partition.core.param import ParamMeta, is_partitioned, meta
+from parts.partition.core.steps import before_each_step
+
+BUCKET_NUMEL = 25_000_000
+"""Elements per cross-replica all-reduce (100 MB of fp32): few calls, bounded extra memory."""
+
+_pending: "weakref.WeakSet[ParamMeta]" = weakref.WeakSet()
+"""Records whose grad shard awaits its cross-replica all-reduce. Process-wide because the
+optimizer step hook that drains it is; it configures nothing and forgets records that are gone."""
+
+
+def mark_pending(records: Iterable[ParamMeta]) -> None:
+    """Note that these records' grad shards received a replica-local part (no-op without replicas)."""
+    for m in records:
+        if m.replica is not None:
+            m.replica_pending = True
+            _pending.add(m)
+            before_each_step(_before_optimizer_step)
+
+
+def pending_records(params: Iterable[Any]) -> list[ParamMeta]:
+    """The records of ``params`` (sharded parameters or records) whose grad shards await the all-reduce."""
+    out = []
+    for p in params:
+        m = p if isinstance(p, ParamMeta) else (meta(p) if is_partitioned(p) else None)
+        if m is not None and m.replica_pending:
+            out.append(m)
+    return out
+
+
+def sync_replica_grads(records: Iterable[ParamMeta], bucket_numel: int = BUCKET_NUMEL) -> int:
+    """All-reduce (mean) the pending grad shards of ``records`` across their replica groups;
+    returns how many were synced. Every member of a replica group must call it with the same
+    records (the same optimizer, the same model)."""
+    todo = sorted({id(m): m for m in records if m.replica_pending}.values(), key=lambda m: m.id)
+    buckets: dict[tuple, list[tuple[ParamMeta, torch.Tensor]]] = {}
+    for m in todo:
+        m.replica_pending = False
+        _pending.discard(m)
+        grad = _grad_of(m)
+        if grad is not None:
+            buckets.setdefault((group_key(m.replica), grad.dtype, grad.device), []).append((m, grad))
+    for items in buckets.values():
+        for chunk in _chunks(items, bucket_numel):
+            _all_reduce_mean(chunk)
+    return len(todo)
+
+
+def _grad_of(m: ParamMeta) -> Any:
+    if disk.has_grad(m.shard):
+        raise NotImplementedError(f"parts.partition: {m.describe()} keeps its grad shard in a DiskStore; "
+                                  "hybrid layouts (replicate_group=) average grad shards in memory")
+    return m.grad_shard
+
+
+def _chunks(items: list, limit: int) -> Iterable[list]:
+    """``items`` in runs of at most ``limit`` elements (one larger grad is a run of its own)."""
+    run, size = [], 0
+    for item in items:
+        n = item[1].numel()
+        if run and size + n > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += n
+    if run:
+        yield run
+
+
+def _all_reduce_mean(items: list[tuple[ParamMeta, torch.Tensor]]) -> None:
+    """One all-reduce of the grads of ``items`` (packed), divided by the replica count, copied back."""
+    info = items[0][0].replica
+    grads = [g for _, g in items]
+    with torch.no_grad():
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        all_reduce(flat, info)
+        flat.div_(info.world_size)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Sync the pending grad shards among the tensors ``optimizer`` steps (its shards)."""
+    if not _pending:
+        return
+    held = {id(t) for group in optimizer.param_groups for t in group["params"]}
+    mine = [m for m in list(_pending) if id(m.shard) in held]
+    if mine:
+        sync_replica_grads(mine)

@@ -1,0 +1,112 @@
+"""Hybrid layouts (shards on a shard group, replicated across a replica group) train like full
+sharding and like plain torch; norms count each element once; checkpoints cross layouts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harness import run
+
+STEPS, LR, MICRO = 3, 0.1, 2
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _batches(steps: int, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g)) for _ in range(steps)]
+
+
+def _mesh(replicas: int):
+    """A (replicate, shard) mesh of the world; None for full sharding."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if replicas is None:
+        return None
+    return init_device_mesh("cpu", (replicas, dist.get_world_size() // replicas),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def _reference(steps: int, micro: int, world: int, clip: float = 0.0) -> tuple[dict, list[float]]:
+    """Plain torch on the whole batch: rank 0's initial values, SGD; the state and the grad norms."""
+    torch.manual_seed(100)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    norms = []
+    for x, y in _batches(steps, 2 * micro * world):
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip if clip else 1e9)))
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in model.state_dict().items()}, norms
+
+
+def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", clip: float = 0.0):
+    """Train on this rank's rows of each batch (``micro`` micro-batches of 2 rows); the full
+    state on rank 0, the grad norms, and the cross-replica all-reduce bytes per group."""
+    import torch.distributed as dist
+    from parts.comm import comm_counter
+    from parts.partition import attach, clip_grad_norm_, full_state_dict, partitioned, set_replica_sync, shards
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)  # every rank seeds differently: all start from rank 0's values
+    with partitioned(mesh=_mesh(replicas)):
+        model = _model()
+    coordinator = attach(model, persistence_threshold=100)
+    set_replica_sync(coordinator, sync)
+    opt = torch.optim.SGD(shards(model), lr=LR)
+    before, norms = comm_counter.by_group(), []
+    for x, y in _batches(steps, 2 * micro * world):
+        xs, ys = x.chunk(world * micro), y.chunk(world * micro)
+        for k in range(micro):
+            i = rank * micro + k
+            (nn.functional.mse_loss(model(xs[i]), ys[i]) / micro).backward()
+        norms.append(float(clip_grad_norm_(model, clip if clip else 1e9)))
+        opt.step()
+        opt.zero_grad()
+    after = comm_counter.by_group()
+    ledger = {g: after[g].get("all_reduce_calls", 0) - before.get(g, {}).get("all_reduce_calls", 0)
+              for g in after}
+    return full_state_dict(model, rank0_only=False), norms, ledger
+
+
+def test_hybrid_layouts_equal_full_sharding_and_plain_torch():
+    ref, ref_norms = _reference(STEPS, 1, 4)
+    full = run(4, _train, None)[0]
+    for replicas in (2, 4):  # 2 x 2 and 4 x 1 (1 x 4 is full sharding itself: the mesh path)
+        ranks = run(4, _train, replicas)
+        hybrid = ranks[0]
+        for other in ranks[1:]:  # replicas stay bitwise identical
+            assert all(torch.equal(other[0][k], hybrid[0][k]) for k in hybrid[0])
+        for k in ref:  # the mean runs as a sum over each group, then over replicas: a few ulps apart
+            torch.testing.assert_close(hybrid[0][k], full[0][k], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(hybrid[0][k], ref[k], rtol=1e-5, atol=1e-6)
+        assert hybrid[1] == hybrid[1] and all(abs(a - b) < 1e-5 * b for a, b in zip(hybrid[1], ref_norms))
+    one_by_four = run(4, _train, 1)[0]
+    for k in ref:  # a mesh of one replica is full sharding: bitwise
+        assert torch.equal(one_by_four[0][k], full[0][k])
+
+
+def test_norms_agree_on_every_rank_and_with_the_unsharded_norm():
+    ref, ref_norms = _reference(STEPS, 1, 4, clip=0.05)
+    out = run(4, _train, 2, clip=0.05)
+    assert all(o[1] == out[0][1] for o in out)  # every rank the same norm, bitwise
+    for a, b in zip(out[0][1], ref_norms):  # not over-counted by the replica factor
+        assert abs(a - b) <= 1e-5 * b
+    for k in ref:
+        torch.testing.assert_close(out[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_all_reduces_across_replicas_once_per_step_and_equals_one_big_batch():
+    ref, _ = _reference(2, MICRO, 4)
+    deferred = run(4, _train, 2, steps=2, micro=MICRO)
+    eager = run(4, _train, 2, steps=2, micro=MICRO, sync="backward")
+    for k in ref:
+        torch.testing.assert_close(deferred[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(eager[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
+    replica_group = "0,2"  # rank 0's column of the 2 x 2 mesh
+    per_step = deferred[0][2][replica_group] / 2
+    assert per_step == eager[0][2][replica_group] / 2 / MICRO  # deferred: 1/MICRO of the eager calls
+    assert per_step >= 1
