@@ -24,6 +24,7 @@ from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.core.grad_guard import raw_grad
 from parts.partition.core.grads import reduce_scatter_grads
+from parts.partition.core.replicas import sync_replica_grads
 
 __all__ = ["GradReducer"]
 
@@ -44,6 +45,7 @@ class GradReducer:
         self._pending: list[nn.Parameter] = []  # complete full grads awaiting reduce-scatter
         self._pending_numel = 0
         self._reducing: list[Waitable] = []  # reduce-scatters in flight (overlap_comm)
+        self.replica_sync = "step"  # hybrid layouts: the cross-replica mean at the step, or each backward
 
     def follow(self, force: bool = False) -> None:
         """At a backward's start: the flat reduce-scatter's members are the flat parameters that
@@ -73,6 +75,8 @@ class GradReducer:
         self._pending += [p for p in scan if raw_grad(p) is not None and id(p) not in pending]
         self._reduce(step)
         self.wait()
+        if self.replica_sync == "backward":
+            sync_replica_grads(self.table.records.values())
 
     def _reduce(self, step: Optional[StepState]) -> None:
         """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
