@@ -1,0 +1,36 @@
+"""``python -m parts.export CHECKPOINT_DIR OUT_DIR``: a DCP checkpoint to safetensors (see ``parts.export``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from parts.export import export
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse the command line, export, print what was written."""
+    parser = argparse.ArgumentParser(prog="python -m parts.export", description=__doc__)
+    parser.add_argument("checkpoint_dir", help="a DCP checkpoint directory (parts, torch dcp.save, FSDP2)")
+    parser.add_argument("out_dir", help="where the safetensors files go")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="cast floating tensors to this dtype (default: as stored)")
+    parser.add_argument("--prefix", default="", help='export only the keys under this prefix, without it '
+                        '("model" for dcp.save({"model": state_dict}))')
+    args = parser.parse_args(argv)
+    result = export(args.checkpoint_dir, args.out_dir, max_shard_size=args.max_shard_size,
+                    dtype=_DTYPES[args.dtype] if args.dtype else None, prefix=args.prefix)
+    print(f"wrote {result.tensors} tensors ({result.total_bytes} bytes) into {len(result.files)} file(s) "
+          f"in {args.out_dir}" + (f"; left out non-tensor keys {result.skipped}" if result.skipped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
