@@ -37,13 +37,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from parts._compat import in_backward, on_backward_end
+from parts._compat import in_backward
 from parts.base.weak import weak_method
 from parts.comm import GroupArg, WeakGroup
 from parts.partition.core.grad_guard import raw_grad
 from parts.partition.construction.construct import drop_forward_check, restore_forward_check
 from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
+from parts.partition.coordinator.abort import BackwardWatch
 from parts.partition.coordinator.checks import check_group, check_sharded
 from parts.partition.coordinator.debug import RankDivergence, StepCheck
 from parts.partition.coordinator.flat import FlatGather, FlatReduce
@@ -142,6 +143,8 @@ class FetchCoordinator:
         self.steps, self.flat_grads = pieces.steps, pieces.flat_grads
         self.flat_ids = frozenset(pieces.flat.pids)
         self.frozen = FrozenRelease(self.table, self.live, weak_method(self._backward_step))
+        drop_aborted = weak_method(self._drop_aborted_backward)
+        self.watch = BackwardWatch(self.table, self.live, self.reducer, self.steps, drop_aborted)
         self._setup_lifecycle()
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
@@ -152,7 +155,7 @@ class FetchCoordinator:
         if self.knobs.debug:
             self._checker = weakref.WeakMethod(self.steps.outside)
             points.register(self._records(), self._checker)
-        install_zero_grad(self.table.modules)
+        install_zero_grad(self.table.modules, drop_aborted)
         install_apply(self.table.modules)
         for sub in self.table.modules:  # fetched by the hooks: the construction-time check is not needed
             drop_forward_check(sub)
@@ -168,11 +171,13 @@ class FetchCoordinator:
         if self._stack:
             raise RuntimeError("FetchCoordinator.detach: called inside a forward (modules "
                                f"{[self.table.names[c.index] for c in self._stack]} are running)")
+        self._drop_aborted_backward()
         self.reducer.wait()
         if self.knobs.debug:
             self.steps.outside("detach")
             points.unregister(self._records(), self._checker)
         self.steps.close()
+        self.watch.close()
         for hooks in self._hooks.values():
             hooks.remove()
         for handle in self._grad_hooks:
@@ -276,6 +281,7 @@ class FetchCoordinator:
     def _phase_of(self, module: nn.Module) -> str:
         if self._stack:
             return self._stack[0].phase
+        self._drop_aborted_backward()
         if in_backward() and self._bwd_phase is not None:
             return self._bwd_phase
         phase = phase_name(module.training, torch.is_grad_enabled())
@@ -366,7 +372,14 @@ class FetchCoordinator:
     def _backward_step(self) -> Optional[StepState]:
         return self.steps.get(self._bwd_phase)
 
+    def _drop_aborted_backward(self) -> None:
+        """A backward that began and failed is forgotten, with all it left (abort.py)."""
+        if self._bwd_phase is not None and self._root is not None and self.watch.aborted():
+            phase, self._bwd_phase = self._bwd_phase, None
+            self.watch.drop(phase)
+
     def _enter_backward(self, phase: str) -> None:
+        self._drop_aborted_backward()
         if self._bwd_phase is not None:
             return
         self._bwd_phase = phase
@@ -375,7 +388,7 @@ class FetchCoordinator:
         self._follow_requires_grad()
         if not self.steps.active(phase):
             self.steps.begin(phase)
-        on_backward_end(self._end_backward)
+        self.watch.begin(self._end_backward)
 
     def _follow_requires_grad(self) -> None:
         """Read ``requires_grad`` again (at attach and each backward's start): a grad hook on every

@@ -22,7 +22,7 @@ from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
-from parts.partition.core.grad_guard import raw_grad
+from parts.partition.core.grad_guard import raw_grad, set_raw_grad
 from parts.partition.core.grads import reduce_scatter_grads
 from parts.partition.core.replicas import sync_replica_grads
 
@@ -94,6 +94,16 @@ class GradReducer:
         self.wait()  # the previous bucket: at most two buckets in flight
         if handle is not None:
             self._reducing.append(handle)
+
+    def discard(self) -> None:
+        """A failed backward's leftovers (abort.py): its pending full grads are dropped, its
+        reduce-scatters in flight waited for (every rank started them) and their slices not added."""
+        for p in self._pending:
+            set_raw_grad(p, None)
+        self._pending, self._pending_numel = [], 0
+        reducing, self._reducing = self._reducing, []
+        for handle in reducing:
+            handle.discard()
 
     def wait(self) -> None:
         """Finish the reduce-scatters in flight (their slices land in the grad shards)."""

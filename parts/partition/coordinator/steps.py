@@ -141,6 +141,7 @@ class Steps:
         """Forget the step of ``phase`` after an error; release what it held, locally only."""
         self.current.pop(phase, None)
         self.prefetcher.book.abandon(phase)
+        self.prefetcher.prefetched.clear()
         self.live.release(self.live.idle())
         self.counters.reset()
 

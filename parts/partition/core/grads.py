@@ -74,6 +74,12 @@ class ReduceHandle:
         work.wait()
         self._finish()
 
+    def discard(self) -> None:
+        """Wait for the collective, add nothing: the backward whose grads it reduced failed."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+
 
 @internal
 def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None, *, accumulate: bool = True,
