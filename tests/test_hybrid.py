@@ -145,3 +145,36 @@ def test_dcp_hybrid_checkpoint_writes_each_shard_once_and_loads_fully_sharded_an
     for k in saved[0]:
         assert all(torch.equal(r[k], saved[0][k]) for r in saved + loaded)
         assert all(torch.equal(r[k], reference[k]) for r in back)
+
+
+def _bf16_norms(replicas) -> tuple[list[float], dict]:
+    """BF16Optimizer (clipping) over a bf16 model in this layout: its grad norms and full state."""
+    import torch.distributed as dist
+    from parts.optim import BF16Optimizer
+    from parts.partition import attach, full_state_dict, partitioned
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)
+    mesh = _mesh(replicas)
+    with partitioned(mesh=mesh, dtype=torch.bfloat16):
+        model = _model()
+    attach(model, persistence_threshold=100)
+    group = mesh.get_group(1) if mesh is not None else None
+    opt = BF16Optimizer(torch.optim.SGD(model.parameters(), lr=LR), group=group, clip_grad=0.05)
+    norms = []
+    for x, y in _batches(2, 2 * world):
+        i = slice(2 * rank, 2 * rank + 2)
+        nn.functional.mse_loss(model(x[i].bfloat16()).float(), y[i]).backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    return norms, full_state_dict(model, rank0_only=False)
+
+
+def test_bf16_optimizer_norm_of_a_hybrid_layout_equals_full_sharding_on_every_rank():
+    full = run(4, _bf16_norms, None)
+    hybrid = run(4, _bf16_norms, 2)
+    assert all(h[0] == hybrid[0][0] for h in hybrid)  # every rank the same norm, bitwise
+    for a, b in zip(hybrid[0][0], full[0][0]):  # once per element, not once per replica
+        assert abs(a - b) <= 1e-5 * b
+    for k, v in full[0][1].items():  # fp32 sums in another order, then bf16 weights: one bf16 ulp
+        torch.testing.assert_close(hybrid[0][1][k].float(), v.float(), rtol=8e-3, atol=1e-5)
