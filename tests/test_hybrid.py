@@ -69,7 +69,7 @@ def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", cli
     after = comm_counter.by_group()
     ledger = {g: after[g].get("all_reduce_calls", 0) - before.get(g, {}).get("all_reduce_calls", 0)
               for g in after}
-    return full_state_dict(model, rank0_only=False), norms, ledger
+    return full_state_dict(model, rank0_only=False), norms, ledger, coordinator.stats().bytes_by_group
 
 
 def test_hybrid_layouts_equal_full_sharding_and_plain_torch():
@@ -110,6 +110,10 @@ def test_accumulation_all_reduces_across_replicas_once_per_step_and_equals_one_b
     per_step = deferred[0][2][replica_group] / 2
     assert per_step == eager[0][2][replica_group] / 2 / MICRO  # deferred: 1/MICRO of the eager calls
     assert per_step >= 1
+    step = deferred[0][3]  # stats() of the last micro-batch: gathers and reduce-scatters in the
+    assert step["0,1"]["allgather_bytes"] > 0 and step["0,1"]["reduce_scatter_bytes"] > 0  # shard group
+    assert replica_group not in step  # nothing crossed replicas since the micro-batch before
+    assert set(eager[0][3][replica_group]) == {"all_reduce_bytes", "all_reduce_calls"}  # each backward
 
 
 def _dcp_round(path: str, replicas, save: bool) -> dict:
@@ -178,3 +182,23 @@ def test_bf16_optimizer_norm_of_a_hybrid_layout_equals_full_sharding_on_every_ra
         assert abs(a - b) <= 1e-5 * b
     for k, v in full[0][1].items():  # fp32 sums in another order, then bf16 weights: one bf16 ulp
         torch.testing.assert_close(hybrid[0][1][k].float(), v.float(), rtol=8e-3, atol=1e-5)
+
+
+def _ledger_and_totals() -> tuple[dict, dict]:
+    import torch.distributed as dist
+    from parts.comm import all_reduce, comm_counter, group_info
+    sub = dist.new_group([0, 1])
+    comm_counter.reset()
+    all_reduce(torch.ones(10), group_info(None))
+    if dist.get_rank() < 2:
+        all_reduce(torch.ones(6), group_info(sub))
+    return comm_counter.by_group(), comm_counter.snapshot()
+
+
+def test_ledger_per_group_adds_up_to_the_totals():
+    out = run(3, _ledger_and_totals)
+    ledger, totals = out[0]
+    assert ledger == {"0,1,2": {"all_reduce_bytes": 2 * 2 * 10 * 4 // 3, "all_reduce_calls": 1},
+                      "0,1": {"all_reduce_bytes": 2 * 1 * 6 * 4 // 2, "all_reduce_calls": 1}}
+    assert totals["all_reduce_bytes"] == sum(row["all_reduce_bytes"] for row in ledger.values())
+    assert "0,1" not in out[2][0]

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from parts.comm.counter import comm_counter, ledger_since
+
 __all__ = ["CoordinatorStats", "StepCounters"]
 
 
@@ -34,6 +36,7 @@ class StepCounters:
     persistent_gathers: int = 0
     live_high_water: int = 0
     param_gathers: dict = field(default_factory=dict)
+    ledger_mark: dict = field(default_factory=comm_counter.by_group)  # the ledger when the last step ended
 
     def reset(self) -> None:
         """Zero every counter for the next step (the pieces of the coordinator share this object)."""
@@ -69,6 +72,9 @@ class CoordinatorStats:
     in-flight) elements at once. ``param_gathers``: stable id -> gathers in the step.
     ``cached_bytes``: freed full-parameter memory the coordinator keeps for the next
     gathers (``cache_freed_storage``; see ``parts.base.storage_pool``).
+    ``bytes_by_group``: bytes and calls per process group and kind (``comm_counter.by_group()``
+    keys) of every collective of this process since the previous step ended: the step and what
+    ran before it (an optimizer step, a hybrid layout's cross-replica all-reduce).
     """
 
     steps: int
@@ -95,6 +101,7 @@ class CoordinatorStats:
     persistent_params: int
     persistent_elements: int
     cached_bytes: int
+    bytes_by_group: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         """A few lines: the step's traffic, fetches, memory and trace (``param_gathers`` summarised)."""
@@ -122,5 +129,6 @@ def freeze(counters: StepCounters, **extra: Any) -> CoordinatorStats:
     """Snapshot ``counters`` with the step-level fields in ``extra``."""
     values = dict(vars(counters))
     values["param_gathers"] = dict(counters.param_gathers)
+    values["bytes_by_group"] = ledger_since(values.pop("ledger_mark"), comm_counter.by_group())
     values.update(extra)
     return CoordinatorStats(**values)
