@@ -220,6 +220,29 @@ def test_a_renamed_module_names_missing_and_unexpected_keys_unless_not_strict(tm
         assert rank["common_equal"] and rank["renamed_kept"]
 
 
+def load_after_a_save_killed_between_renames(path: str) -> dict:
+    import torch.distributed as dist
+    model = _model()
+    _save(model, path)
+    saved = _full(model)
+    dist.barrier()
+    if dist.get_rank() == 0:  # what a save killed after moving the old checkpoint aside leaves
+        os.rename(path, path + ".old")
+        os.makedirs(path + ".saving")
+        (Path(path + ".saving") / "__0_0.distcp").write_bytes(b"half")
+    dist.barrier()
+    fresh = _model()
+    _perturb(fresh)
+    _load(fresh, path)
+    return {"same": all(torch.equal(v, saved[k]) for k, v in _full(fresh).items())}
+
+
+def test_a_save_killed_between_its_renames_leaves_the_old_checkpoint_loadable(tmp_path: Path) -> None:
+    out = run(2, load_after_a_save_killed_between_renames, str(tmp_path / "ckpt"), timeout=SLOW)
+    assert all(rank["same"] for rank in out)
+    assert (tmp_path / "ckpt").is_dir() and not (tmp_path / "ckpt.old").exists()
+
+
 # ------------------------------------------------------------------ no code from a checkpoint
 class _Shell:
     def __init__(self, command: str) -> None:
