@@ -80,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     add("--resume", action="store_true", help="continue from --out (any world size)")
     add("--plot", default="loss.png", help="loss curve PNG (needs matplotlib)")
     add("--no-partition", dest="partition", action="store_false", help="replicated weights")
+    add("--hybrid", action="store_true",
+        help="shard within a node (LOCAL_WORLD_SIZE ranks), replicate across nodes (a 2-D mesh)")
     add("--checkpoint", action="store_true",
         help="recompute each block's activations in backward (parts.checkpoint): memory for compute; "
              "off by default, as this model's activations are small and recomputing costs ~20%% of a step")
@@ -100,6 +102,19 @@ def choose_dtype(requested: str) -> tuple[str, str]:
     return broadcast_object(report.fastest_dtype() if dist.get_rank() == 0 else None, src=0)
 
 
+def hybrid_mesh(args: argparse.Namespace):
+    """With --hybrid: a (replicate, shard) DeviceMesh, shards within each node of LOCAL_WORLD_SIZE
+    ranks, one replica per node; else None (full sharding over every rank)."""
+    if not args.hybrid:
+        return None
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise SystemExit(f"--hybrid: WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+
+
 def build(args: argparse.Namespace):
     """Model (sharded and attached unless --no-partition), optimizer and LR schedule."""
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=args.n_layer,
@@ -107,7 +122,8 @@ def build(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
     low = dtype if dtype != torch.float32 else None  # compute dtype below fp32, if any
-    with partitioned(enabled=args.partition):  # fp32 shards: the masters
+    mesh = hybrid_mesh(args)
+    with partitioned(mesh=mesh, enabled=args.partition):  # fp32 shards: the masters
         model = GPT(config, checkpoint_fn=checkpoint if args.checkpoint else None)
     coordinator = attach(model, prefetch_bucket_size=args.prefetch_bucket_size,
                          max_reuse_distance=args.max_reuse_distance,
@@ -117,7 +133,8 @@ def build(args: argparse.Namespace):
                          mixed_precision=MixedPrecision(param_dtype=low) if low else None,
                          ) if args.partition else None
     adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    optimizer = BF16Optimizer(adamw, clip_grad=args.clip, named_parameters=model.named_parameters(),
+    optimizer = BF16Optimizer(adamw, group=mesh.get_group("shard") if mesh is not None else None,
+                              clip_grad=args.clip, named_parameters=model.named_parameters(),
                               allow_fp32=True, param_dtype=None if args.partition else low)
     total = args.steps
 
