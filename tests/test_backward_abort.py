@@ -127,3 +127,56 @@ def test_a_caught_backward_exception_leaves_training_as_if_the_step_never_ran(tm
         assert out["same_losses"], out["losses"]
         assert out["same_weights"]
         assert out["last_step"][0] == out["last_step"][1]  # the same traffic, trace and memory
+
+
+class _RaiseOnce:
+    """A forward hook whose output's grad hook raises in the first backward after ``arm()``."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __call__(self, module, inputs, output) -> None:
+        output.register_hook(self._grad)
+
+    def _grad(self, grad: torch.Tensor) -> None:
+        if self.armed:
+            self.armed = False
+            raise Boom("half-way through backward")
+
+
+def body_retry(debug: bool) -> dict:
+    """Step 1's backward through a retained graph raises; the user zeroes the optimizer's grads
+    and runs the backward again: the same grads and weights as one clean backward."""
+    KNOBS["debug"] = debug
+    out = {}
+    for retry in (False, True):
+        model, opt, _ = _build("", "", False)
+        fault = _RaiseOnce()
+        model.blocks[1].register_forward_hook(fault)
+        losses = []
+        for step in range(3):
+            loss = model(*batch(step, 4, 8 * dist.get_rank()))
+            if retry and step == 1:
+                fault.arm()
+                with contextlib.suppress(Boom):
+                    loss.backward(retain_graph=True)
+                opt.zero_grad()
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        out[retry] = (losses, full_state_dict(model))
+        detach(model)
+    del KNOBS["debug"]
+    (la, a), (lb, b) = out[False], out[True]
+    return {"same_losses": all(map(torch.equal, la, lb)),
+            "same_weights": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)}
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_backward_retried_after_an_exception_gives_the_clean_grads(debug):
+    for out in run(2, body_retry, debug, timeout=FAST):
+        assert out == {"same_losses": True, "same_weights": True}
