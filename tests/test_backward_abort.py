@@ -50,13 +50,13 @@ def _raise_after_block1(module, inputs, output):
     return RaiseInBackward.apply(output)
 
 
-def _build(tmp: str, name: str, disk: bool):
+def _build(tmp: str, name: str, disk: bool, debug: bool = False):
     """The model (its shards on disk in a store of its own if ``disk``) and its optimizer."""
     torch.manual_seed(0)
     store = DiskStore(f"{tmp}/{name}{dist.get_rank()}", block_bytes=4096) if disk else None
     with partitioned(remote_device=store):
         model = GPT(layers=3)
-    attach(model, **KNOBS)
+    attach(model, **KNOBS, debug=debug)
     opt = torch.optim.AdamW(shards(model), lr=1e-2)
     return model, OffloadedOptimizer(opt, store, chunk_bytes=20_000) if disk else opt, store
 
@@ -150,10 +150,9 @@ class _RaiseOnce:
 def body_retry(debug: bool) -> dict:
     """Step 1's backward through a retained graph raises; the user zeroes the optimizer's grads
     and runs the backward again: the same grads and weights as one clean backward."""
-    KNOBS["debug"] = debug
     out = {}
     for retry in (False, True):
-        model, opt, _ = _build("", "", False)
+        model, opt, _ = _build("", "", False, debug)
         fault = _RaiseOnce()
         model.blocks[1].register_forward_hook(fault)
         losses = []
@@ -170,7 +169,6 @@ def body_retry(debug: bool) -> dict:
             opt.zero_grad()
         out[retry] = (losses, full_state_dict(model))
         detach(model)
-    del KNOBS["debug"]
     (la, a), (lb, b) = out[False], out[True]
     return {"same_losses": all(map(torch.equal, la, lb)),
             "same_weights": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)}
