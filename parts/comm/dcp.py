@@ -146,9 +146,14 @@ def _save(state_dict: dict[str, Any], ranks: _Ranks, writer: dcp.StorageWriter,
     plans = ranks.central("plan", local_plan, global_plan)
 
     def write() -> Any:
-        futures = writer.write_data(planner.finish_plan(plans[ranks.rank]), planner)
-        futures.wait()
-        results = futures.value()
+        try:
+            futures = writer.write_data(planner.finish_plan(plans[ranks.rank]), planner)
+            futures.wait()
+            results = futures.value()
+        except Exception as exc:
+            if staged:  # name the files: an OSError of torch's serializer names none
+                raise files.write_failed(staged[0], ranks.rank, exc) from exc
+            raise
         return results, (files.digests(staged[0], files.written_files(results)) if staged else {})
 
     def finish(every: list) -> Any:

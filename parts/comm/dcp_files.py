@@ -73,6 +73,27 @@ def digests(directory: Path, names: Iterable[str]) -> dict[str, dict]:
     return out
 
 
+def write_failed(staging: Path, rank: int, error: BaseException) -> CheckpointError:
+    """The error of a rank whose DCP writes into ``staging`` raised ``error``, naming its files."""
+    mine = sorted(p.name for p in staging.glob(f"__{rank}_*"))
+    cause = _os_error_under(error)
+    under = f" (from {type(cause).__name__}: {cause})" if cause is not None and cause is not error else ""
+    return CheckpointError(f"writing {', '.join(mine) or 'its files'} in {staging} failed: "
+                           f"{type(error).__name__}: {error}{under}", path=staging)
+
+
+def _os_error_under(error: BaseException) -> Optional[OSError]:
+    """The first ``OSError`` in ``error``'s chain (torch's serializer reports a full disk as
+    a RuntimeError raised while handling it)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def written_files(results: Iterable[Any]) -> list[str]:
     """The files a rank's DCP ``WriteResult``s landed in (relative to the checkpoint)."""
     return [r.storage_data.relative_path for r in results
