@@ -202,3 +202,29 @@ def test_ledger_per_group_adds_up_to_the_totals():
                       "0,1": {"all_reduce_bytes": 2 * 1 * 6 * 4 // 2, "all_reduce_calls": 1}}
     assert totals["all_reduce_bytes"] == sum(row["all_reduce_bytes"] for row in ledger.values())
     assert "0,1" not in out[2][0]
+
+
+class _Reinit(nn.Module):
+    """A parent that re-initialises its children after they were sharded (as nanoGPT does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+        self.apply(lambda m: nn.init.normal_(m.weight, std=0.5) if isinstance(m, nn.Linear) else None)
+
+
+def _reinit_state() -> dict:
+    import torch.distributed as dist
+    from parts.partition import full_state_dict, partitioned
+    torch.manual_seed(100 + dist.get_rank())
+    with partitioned(mesh=_mesh(2)):
+        model = _Reinit()
+    return full_state_dict(model, rank0_only=False)
+
+
+def test_init_code_under_a_hybrid_layout_gives_rank_0s_values_on_every_replica():
+    torch.manual_seed(100)
+    plain = _Reinit().state_dict()
+    for state in run(4, _reinit_state):
+        assert state.keys() == plain.keys()
+        assert all(torch.equal(state[k], plain[k]) for k in plain)

@@ -153,17 +153,21 @@ def _shared_values(params: list[nn.Parameter], spec: ShardSpec, first_id: int) -
 
 def _from_first_replica(flats: list[torch.Tensor], spec: ShardSpec, first_id: int) -> int:
     """Every replica takes the first replica's values of this rank's shard ranges and its next
-    id (one shard-sized broadcast over the replica group): replicas start identical, from
-    global rank 0's values, whatever each seeded."""
-    rank, world = spec.info.rank, spec.info.world_size
+    id: replicas start identical, from global rank 0's values, whatever each seeded."""
+    return replica_slices(flats, spec.info, spec.replica, first_id)
+
+
+def replica_slices(flats: list[torch.Tensor], info: GroupInfo, replica: GroupInfo, extra: int = 0) -> int:
+    """Overwrite this rank's shard range of each full flat tensor (sharded over ``info``) with
+    replica rank 0's, and return its ``extra``: one broadcast over ``replica``, shard-sized."""
     pieces = []
     for flat in flats:
-        start, stop = ShardLayout(flat.numel(), world).range(rank)
+        start, stop = ShardLayout(flat.numel(), info.world_size).range(info.rank)
         pieces.append(flat[start:stop].view(torch.uint8))
     device = flats[0].device
-    extra = torch.tensor([first_id], dtype=torch.int64, device=device).view(torch.uint8)
-    buf = torch.cat(pieces + [extra])
-    broadcast(buf, 0, spec.replica)
+    tail = torch.tensor([extra], dtype=torch.int64, device=device).view(torch.uint8)
+    buf = torch.cat(pieces + [tail])
+    broadcast(buf, 0, replica)
     off = 0
     with torch.no_grad():
         for piece in pieces:
@@ -205,8 +209,11 @@ def reshard(pairs: list[tuple[nn.Parameter, ParamMeta]], src: int, keep: bool = 
         for (p, _), off, n in zip(group, offs, numels):
             flat[off:off + n].copy_(p.detach().reshape(-1))
         broadcast(flat, src, info)
-        if group[0][1].replica is not None:  # the first replica's values everywhere
-            broadcast(flat, 0, group[0][1].replica)
+        replica = group[0][1].replica
+        if replica is not None and keep:  # the first replica's values everywhere, full tensors too
+            broadcast(flat, 0, replica)
+        elif replica is not None:  # the shards only: each rank's slice
+            replica_slices([flat[off:off + n] for off, n in zip(offs, numels)], info, replica)
         for (p, m), off, n in zip(group, offs, numels):
             write_shard(m.shard, flat[off:off + n], m.layout, m.rank)
             if keep:
