@@ -23,14 +23,16 @@ included), it differs from transformers' ``Trainer`` only where a sharded model 
   them with ``save_pretrained`` (``model.safetensors``), readable by ``from_pretrained``.
 
 ``Seq2SeqTrainer`` is the same over ``transformers.Seq2SeqTrainer``: ``predict_with_generate``
-generates with ``synced_gpus=True`` at world > 1, so a rank whose sequences ended keeps
-joining the others' gathers (pass the same to ``model.generate`` in code of your own).
+evaluates and predicts inside ``parts.partition.generating(model)`` (the model gathered once
+when it fits, else streamed) and generates with ``synced_gpus=True`` at world > 1, so a rank
+whose sequences ended keeps joining the others' gathers (in code of your own, use both too).
 Not honoured, and refused where accelerate sees them: ``fp16`` (use ``bf16``), ``fsdp`` /
 ``deepspeed`` (the model is sharded already), ``model_init`` (pass a sharded ``model``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any, Optional
@@ -45,7 +47,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from parts.integrations.accelerate import adopt, attach_for, attach_with, is_parts_model
 from parts.integrations.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
                                            save_sharded_optimizer)
-from parts.partition import clip_grad_norm_, full_state_dict, is_partitioned, use_shards
+from parts.partition import clip_grad_norm_, full_state_dict, generating, is_partitioned, use_shards
 from parts.partition import grad_norm as global_grad_norm
 
 __all__ = ["Trainer", "Seq2SeqTrainer", "PartsTrainerMixin", "MODEL_DIR", "OPTIMIZER_DIR"]
@@ -162,11 +164,19 @@ class Seq2SeqTrainer(PartsTrainerMixin, transformers.Seq2SeqTrainer):
                  metric_key_prefix: str = "eval", **gen_kwargs: Any) -> dict:
         """``Seq2SeqTrainer.evaluate``, generating with ``synced_gpus`` at world > 1."""
         gen_kwargs.setdefault("synced_gpus", self.args.world_size > 1)
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+        with self._generating():
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
 
     def predict(self, test_dataset: Any, ignore_keys: Optional[list] = None, metric_key_prefix: str = "test",
                 **gen_kwargs: Any) -> Any:
         """``Seq2SeqTrainer.predict``, generating with ``synced_gpus`` at world > 1: every rank runs a
         forward (and its gathers) until the sequences of all ranks are done."""
         gen_kwargs.setdefault("synced_gpus", self.args.world_size > 1)
-        return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+        with self._generating():
+            return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+
+    def _generating(self) -> contextlib.AbstractContextManager:
+        """``generating(model)`` with ``predict_with_generate``: no gather per decoding step."""
+        if not getattr(self.args, "predict_with_generate", False):
+            return contextlib.nullcontext()
+        return generating(self.model)

@@ -1,0 +1,172 @@
+"""Generation under ZeRO-3 and the streaming export: tokens/s in and out of ``generating``, peak RSS of ``parts.export``.
+
+    python benchmarks/bench_generate.py                  # GPT-2 n_embd 256, 4 layers, world 2, 24 tokens
+    python benchmarks/bench_generate.py --tokens 48 --rounds 5
+
+Generation: every rank of a world-2 gloo group generates ``--tokens`` greedy tokens from its
+own prompt with (a) the unsharded HF GPT-2 (each rank a full copy: the reference), (b) the
+sharded attached model without the context (``synced_gpus=True``: every decoding step gathers
+every layer), (c) inside ``generating(model)`` (gathered once; the time includes the gather on
+entry and the release on exit; ``gathered_entry_s`` is that gather alone) and (d) inside ``generating(model, memory_budget=0.9 x the model)``
+(layers streamed). Median wall time of ``--rounds`` rounds on rank 0 (the modes take turns in
+each round); every mode's tokens must equal the unsharded model's.
+
+Export: a world-2 parts checkpoint of ``--export-mib`` MiB (Linear layers of 1 MiB each, so
+stored pieces of 0.5 MiB) is exported in a fresh process; its peak RSS growth over the RSS
+before the export is compared with the bound (``--export-bound-mib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import record  # noqa: E402
+
+MODES = ("unsharded", "sharded", "gathered", "streamed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _models(args: argparse.Namespace) -> tuple:
+    import transformers
+    from parts.partition import attach, full_state_dict, partitioned
+    config = transformers.GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4)
+    torch.manual_seed(0)
+    with partitioned():
+        model = transformers.GPT2LMHeadModel(config)
+    attach(model)
+    plain = transformers.GPT2LMHeadModel(config)
+    plain.load_state_dict(full_state_dict(model, rank0_only=False))
+    return model.eval(), plain.eval()
+
+
+def _timed(runs: dict, rounds: int) -> dict:
+    """Median seconds and last tokens of each run; the modes take turns in every round, so a
+    shared machine's load drift hits all of them alike."""
+    times: dict = {mode: [] for mode in runs}
+    tokens: dict = {}
+    for _ in range(rounds):
+        for mode, run in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            tokens[mode] = run()
+            times[mode].append(time.perf_counter() - start)
+    return {mode: dict(seconds=statistics.median(times[mode]), tokens=tokens[mode]) for mode in runs}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from parts.partition import generating
+    model, plain = _models(args)
+    prompt = torch.randint(0, 50000, (1, 8), generator=torch.Generator().manual_seed(rank))
+    kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
+    below = sum(p.numel() * 4 for p in plain.parameters()) * 9 // 10  # the embedding is most of it
+
+    entries: dict = {}
+
+    def inside(budget):
+        def go():
+            start = time.perf_counter()
+            with generating(model, memory_budget=budget) as mode:
+                entries.setdefault(mode, []).append(time.perf_counter() - start)
+                return model.generate(prompt, **kw)
+        return go
+
+    runs = {"unsharded": lambda: plain.generate(prompt, **kw),
+            "sharded": lambda: model.generate(prompt, synced_gpus=True, **kw),
+            "gathered": inside(None), "streamed": inside(below)}
+    for mode in MODES:
+        runs[mode]()  # warm-up (and the coordinator's trace)
+    results = _timed(runs, args.rounds)
+    if rank == 0:
+        out.update({m: r["seconds"] for m, r in results.items()})
+        out.update({f"{m}_entry": statistics.median(t[1:]) for m, t in entries.items()})  # after warm-up
+        out["same_tokens"] = all(torch.equal(r["tokens"], results["unsharded"]["tokens"]) for r in results.values())
+        out["tokens"] = results["gathered"]["tokens"][0].tolist()
+    dist.destroy_process_group()
+
+
+def _save_big(rank: int, world: int, port: int, path: str, mib: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from parts.comm import dcp
+    from parts.partition import partitioned, sharded_state_dict
+    with partitioned():
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 256, bias=False) for _ in range(mib)])
+    dcp.save(sharded_state_dict(model), checkpoint_id=path)
+    dist.destroy_process_group()
+
+
+_EXPORT_JOB = """
+import json, resource, sys, time
+from parts.export import export
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+start = time.perf_counter()
+result = export(sys.argv[1], sys.argv[2], max_shard_size="64MB")
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(dict(base=base, peak=peak, seconds=seconds, total=result.total_bytes, files=len(result.files))))
+"""
+
+
+def _export(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        ckpt, out = os.path.join(scratch, "ckpt"), os.path.join(scratch, "hf")
+        mp.spawn(_save_big, args=(2, _free_port(), ckpt, args.export_mib), nprocs=2)
+        job = subprocess.run([sys.executable, "-c", _EXPORT_JOB, ckpt, out], capture_output=True, text=True,
+                             check=True)
+        return json.loads(job.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    """Run both measurements, print them and record them."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--export-mib", type=int, default=256)
+    parser.add_argument("--export-bound-mib", type=int, default=32)
+    args = parser.parse_args()
+    out = mp.Manager().dict()
+    mp.spawn(_worker, args=(2, _free_port(), args, out), nprocs=2)
+    gen = dict(out)
+    rows = {f"{m}_tokens_per_s": round(args.tokens / gen[m], 1) for m in MODES}
+    rows.update({f"{m}_vs_unsharded": round(gen["unsharded"] / gen[m], 2) for m in MODES[1:]})
+    rows["gathered_entry_s"] = round(gen["gathered_entry"], 3)  # the one gather of the whole model
+    rows["gathered_generate_only_vs_unsharded"] = round(gen["unsharded"] / (gen["gathered"] - gen["gathered_entry"]), 2)
+    rows["same_tokens"] = gen["same_tokens"]
+    exp = _export(args)
+    growth = exp["peak"] - exp["base"]
+    rows.update(export_model_mib=exp["total"] / 2**20, export_bound_mib=args.export_bound_mib,
+                export_rss_growth_mib=round(growth / 2**20, 1), export_peak_rss_mib=round(exp["peak"] / 2**20, 1),
+                export_within_bound=growth <= args.export_bound_mib * 2**20,
+                export_mib_per_s=round(exp["total"] / 2**20 / exp["seconds"], 1))
+    for key, value in rows.items():
+        print(f"{key:28s} {value}")
+    print("tokens (rank 0):", gen["tokens"])
+    record("bench_generate", rows)
+
+
+if __name__ == "__main__":
+    main()
