@@ -1,7 +1,7 @@
 """A backward that raises half-way, caught by the user who calls ``zero_grad()`` and trains on,
 leaves no trace: losses and weights after it equal (bitwise) a run where that step never happened,
 in memory and with shards on disk stepped inside ``OffloadedOptimizer.step_in_backward``, at
-world 2 with the exception on every rank.
+world 2 and 3 with the exception on every rank.
 
 Reference: the same model on the same seeds, trained on the same batches with the failing step
 left out. Bitwise: the same grad bits are reduced in the same order in both runs.
@@ -120,9 +120,10 @@ def body(tmp: str, disk: bool, zero: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("disk,zero", [(False, "optimizer"), (False, "model"), (True, "optimizer")])
-def test_a_caught_backward_exception_leaves_training_as_if_the_step_never_ran(tmp_path, disk, zero):
-    for out in run(2, body, str(tmp_path), disk, zero, timeout=FAST):
+@pytest.mark.parametrize("world,disk,zero", [(2, False, "optimizer"), (3, False, "optimizer"),
+                                              (2, False, "model"), (2, True, "optimizer")])
+def test_a_caught_backward_exception_leaves_training_as_if_the_step_never_ran(tmp_path, world, disk, zero):
+    for out in run(world, body, str(tmp_path), disk, zero, timeout=FAST):
         assert out["raised"]
         assert out["same_losses"], out["losses"]
         assert out["same_weights"]
