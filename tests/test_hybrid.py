@@ -30,6 +30,17 @@ def _mesh(replicas: int):
                             mesh_dim_names=("replicate", "shard"))
 
 
+def _layout(replicas) -> dict:
+    """``partitioned`` arguments: a mesh, or ("groups") the 2 x 2 layout as two explicit groups."""
+    import torch.distributed as dist
+    if replicas != "groups":
+        return {"mesh": _mesh(replicas)}
+    rank = dist.get_rank()
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return {"group": rows[rank // 2], "replicate_group": columns[rank % 2]}
+
+
 def _reference(steps: int, micro: int, world: int, clip: float = 0.0) -> tuple[dict, list[float]]:
     """Plain torch on the whole batch: rank 0's initial values, SGD; the state and the grad norms."""
     torch.manual_seed(100)
@@ -52,7 +63,7 @@ def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", cli
     from parts.partition import attach, clip_grad_norm_, full_state_dict, partitioned, set_replica_sync, shards
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)  # every rank seeds differently: all start from rank 0's values
-    with partitioned(mesh=_mesh(replicas)):
+    with partitioned(**_layout(replicas)):
         model = _model()
     coordinator = attach(model, persistence_threshold=100)
     set_replica_sync(coordinator, sync)
@@ -84,9 +95,29 @@ def test_hybrid_layouts_equal_full_sharding_and_plain_torch():
             torch.testing.assert_close(hybrid[0][k], full[0][k], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(hybrid[0][k], ref[k], rtol=1e-5, atol=1e-6)
         assert hybrid[1] == hybrid[1] and all(abs(a - b) < 1e-5 * b for a, b in zip(hybrid[1], ref_norms))
+        if replicas == 2:  # explicit groups are the mesh's: bitwise
+            groups = run(4, _train, "groups")[0]
+            assert all(torch.equal(groups[0][k], hybrid[0][k]) for k in ref)
     one_by_four = run(4, _train, 1)[0]
     for k in ref:  # a mesh of one replica is full sharding: bitwise
         assert torch.equal(one_by_four[0][k], full[0][k])
+
+
+def _overlapping_groups() -> str:
+    import torch.distributed as dist
+    from parts.partition import partitioned
+    everyone = dist.new_group([0, 1])
+    try:
+        with partitioned(group=everyone, replicate_group=everyone):
+            _model()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_replicate_group_overlapping_the_shard_group_is_refused_naming_both():
+    message = run(2, _overlapping_groups)[0]
+    assert "replicate group" in message and "[0, 1]" in message
 
 
 def test_norms_agree_on_every_rank_and_with_the_unsharded_norm():
