@@ -155,3 +155,49 @@ def test_training_after_generation_equals_training_without_it(mixed):
         assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
         # the same bf16 (or fp32) weights whether gathered once or streamed: the same tokens
         assert torch.equal(a["tokens"]["gathered"], a["tokens"]["streamed"])
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    import warnings
+    import peft
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights="gaussian",
+                             fan_in_fan_out=True, lora_dropout=0.0)
+    with warnings.catch_warnings():  # peft reads a transformers attribute deprecated in its favour
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
+def _variant_case(variant: str, tmp: str) -> dict:
+    """LoRA adapters (peft) or shards on disk (DiskStore): gathered and streamed tokens equal the plain model's."""
+    import torch.distributed as dist
+    from parts.offload import DiskStore
+    from parts.partition import attach, full_state_dict, generating, partitioned
+    rank = dist.get_rank()
+    remote = DiskStore(f"{tmp}/r{rank}") if variant == "disk" else None
+    wrap = _lora if variant == "lora" else (lambda m: m)
+    torch.manual_seed(0)
+    with partitioned(remote_device=remote):
+        model = wrap(_gpt2())
+    attach(model, persistence_threshold=0, fetch_unit_size=0)
+    torch.manual_seed(0)
+    plain = wrap(_gpt2())
+    plain.load_state_dict(full_state_dict(model, rank0_only=False))
+    model.eval(), plain.eval()
+    prompt = _prompt(rank)
+    budget = sum(p.numel() * 4 for p in plain.parameters()) // 2
+    got = {}
+    for limit in (None, budget):
+        with generating(model, memory_budget=limit) as mode:
+            got[mode] = model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = plain.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if remote is not None:
+        remote.close()
+    return dict(modes=sorted(got), same=all(torch.equal(t, ref) for t in got.values()))
+
+
+@pytest.mark.parametrize("variant", ["lora", "disk"])
+def test_generate_with_lora_adapters_or_shards_on_disk(variant, tmp_path):
+    if variant == "lora":
+        pytest.importorskip("peft")
+    for out in run(2, _variant_case, variant, str(tmp_path), timeout=120):
+        assert out["modes"] == ["gathered", "streamed"] and out["same"]
