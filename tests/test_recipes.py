@@ -168,6 +168,14 @@ def check_train_gpt_2d(out: str, workdir: Path) -> None:
     assert len(losses) == 3 and losses[-1] < losses[0], out
 
 
+def check_generate(out: str, workdir: Path) -> None:
+    ways = rows(r"^(per-step gathers|generating \(gathered once\)|generating \(streamed, budget \d+ KiB\))"
+                r"\s+([\d.]+) tokens/s  equal to unsharded: (True|False)", out)
+    assert [w[0].split(" (")[0] for w in ways] == ["per-step gathers", "generating", "generating"], out
+    assert all(w[2] == "True" for w in ways), out
+    assert "from_pretrained equal: True" in out and (workdir / "hf" / "model.safetensors").is_file(), out
+
+
 CASES = [
     Case("train_gpt_2d", "train_gpt_2d.py",
          ("--steps", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--fp32"),
@@ -186,6 +194,8 @@ CASES = [
     Case("finetune_from_state_dict", "finetune_from_state_dict.py",
          ("--steps", "4", "--n-layer", "2", "--n-embd", "64", "--seq-len", "32",
           "--out", "{workdir}/tuned.pt"), check_finetune),
+    Case("generate", "generate.py", ("--steps", "2", "--tokens", "6", "--n-embd", "32", "--n-layer", "2",
+                                     "--seq-len", "16", "--export", "{workdir}/hf"), check_generate),
 ]
 
 
