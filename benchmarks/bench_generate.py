@@ -151,21 +151,28 @@ def main() -> None:
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(2, _free_port(), args, out), nprocs=2)
     gen = dict(out)
-    rows = {f"{m}_tokens_per_s": round(args.tokens / gen[m], 1) for m in MODES}
-    rows.update({f"{m}_vs_unsharded": round(gen["unsharded"] / gen[m], 2) for m in MODES[1:]})
-    rows["gathered_entry_s"] = round(gen["gathered_entry"], 3)  # the one gather of the whole model
-    rows["gathered_generate_only_vs_unsharded"] = round(gen["unsharded"] / (gen["gathered"] - gen["gathered_entry"]), 2)
-    rows["same_tokens"] = gen["same_tokens"]
-    exp = _export(args)
-    growth = exp["peak"] - exp["base"]
-    rows.update(export_model_mib=exp["total"] / 2**20, export_bound_mib=args.export_bound_mib,
-                export_rss_growth_mib=round(growth / 2**20, 1), export_peak_rss_mib=round(exp["peak"] / 2**20, 1),
-                export_within_bound=growth <= args.export_bound_mib * 2**20,
-                export_mib_per_s=round(exp["total"] / 2**20 / exp["seconds"], 1))
-    for key, value in rows.items():
-        print(f"{key:28s} {value}")
+    rows = [dict(mode=m, tokens_per_s=round(args.tokens / gen[m], 1), vs_unsharded=round(gen["unsharded"] / gen[m], 2))
+            for m in MODES]
+    summary = _summary(args, gen, _export(args))
+    for row in rows:
+        print(f"{row['mode']:10s} {row['tokens_per_s']:8.1f} tokens/s  {row['vs_unsharded']:.2f}x the unsharded model")
+    for key, value in summary.items():
+        print(f"{key:40s} {value}")
     print("tokens (rank 0):", gen["tokens"])
-    record("bench_generate", rows)
+    record("bench_generate", dict(rows=rows, summary=summary))
+
+
+def _summary(args: argparse.Namespace, gen: dict, exp: dict) -> dict:
+    """The entry gather, generation alone, the tokens check and the export's memory against its bound."""
+    growth = exp["peak"] - exp["base"]
+    return {"gathered: entry gather s": round(gen["gathered_entry"], 3),
+            "gathered: generate alone vs unsharded": round(gen["unsharded"] / (gen["gathered"] - gen["gathered_entry"]), 2),
+            "every mode's tokens equal the unsharded model's": gen["same_tokens"],
+            "export: model MiB": exp["total"] / 2**20, "export: bound MiB": args.export_bound_mib,
+            "export: peak RSS growth MiB": round(growth / 2**20, 1),
+            "export: peak RSS MiB": round(exp["peak"] / 2**20, 1),
+            "export: within bound": growth <= args.export_bound_mib * 2**20,
+            "export: MiB/s": round(exp["total"] / 2**20 / exp["seconds"], 1)}
 
 
 if __name__ == "__main__":

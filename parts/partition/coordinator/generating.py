@@ -168,7 +168,8 @@ def _streamed(model: nn.Module, coordinator: Optional[FetchCoordinator], budget:
     tight = dataclasses.replace(knobs, max_live_parameters=min(knobs.max_live_parameters,
                                                                _live_budget(coordinator, budget)))
     coordinator.live.knobs = coordinator.prefetcher.knobs = tight
-    synced = _synced_generate(model, meta(next(iter(coordinator.table.params.values()))).world_size)
+    world = next(iter(coordinator.table.records.values())).world_size
+    synced = _SyncedGenerate(model, enabled=world > 1)
     try:
         yield
     finally:
@@ -179,14 +180,13 @@ def _streamed(model: nn.Module, coordinator: Optional[FetchCoordinator], budget:
 
 
 class _SyncedGenerate:
-    """``model.generate`` with ``synced_gpus=True`` as its default while the block runs."""
+    """``model.generate`` with ``synced_gpus=True`` as its default while the block runs (``enabled``)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, enabled: bool) -> None:
         self.model = model
-        self.installed = "generate" not in vars(model) and callable(getattr(model, "generate", None))
+        plain = getattr(model, "generate", None)
+        self.installed = enabled and "generate" not in vars(model) and callable(plain)
         if self.installed:
-            plain = model.generate
-
             @functools.wraps(plain)
             def generate(*args: Any, **kwargs: Any) -> Any:
                 kwargs.setdefault("synced_gpus", True)
@@ -198,11 +198,3 @@ class _SyncedGenerate:
         """Give the model its own ``generate`` back."""
         if self.installed:
             del self.model.generate
-
-
-def _synced_generate(model: nn.Module, world_size: int) -> "_SyncedGenerate":
-    if world_size > 1:
-        return _SyncedGenerate(model)
-    synced = _SyncedGenerate.__new__(_SyncedGenerate)
-    synced.model, synced.installed = model, False
-    return synced
