@@ -201,3 +201,33 @@ def test_generate_with_lora_adapters_or_shards_on_disk(variant, tmp_path):
         pytest.importorskip("peft")
     for out in run(2, _variant_case, variant, str(tmp_path), timeout=120):
         assert out["modes"] == ["gathered", "streamed"] and out["same"]
+
+
+def _unattached_and_errors_case() -> dict:
+    import torch.distributed as dist
+    from parts.partition import attach, full_state_dict, generating, partitioned
+    torch.manual_seed(0)
+    with partitioned():
+        model = _gpt2().eval()
+    plain = _gpt2().eval()
+    plain.load_state_dict(full_state_dict(model, rank0_only=False))
+    prompt = _prompt(dist.get_rank())
+    with generating(model) as mode:  # sharded, never attached: gathered for the block
+        got = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ref = plain.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    attach(model)  # defaults: the whole small model is one fetch unit
+    errors = []
+    for budget in (1000, -1):
+        try:
+            with generating(model, memory_budget=budget):
+                pass
+        except ValueError as error:
+            errors.append(str(error))
+    return dict(mode=mode, same=torch.equal(got, ref), errors=errors)
+
+
+def test_unattached_model_is_gathered_and_a_budget_below_one_unit_is_refused():
+    for out in run(2, _unattached_and_errors_case, timeout=120):
+        assert out["mode"] == "gathered" and out["same"]
+        assert "largest fetch unit" in out["errors"][0] and "memory_budget=1000" in out["errors"][0]
+        assert "memory_budget must be a number of bytes" in out["errors"][1]

@@ -165,8 +165,13 @@ def _streamed(model: nn.Module, coordinator: Optional[FetchCoordinator], budget:
     if temporary:
         coordinator = attach(model)
     knobs = coordinator.knobs
-    tight = dataclasses.replace(knobs, max_live_parameters=min(knobs.max_live_parameters,
-                                                               _live_budget(coordinator, budget)))
+    try:
+        live = _live_budget(coordinator, budget)
+    except ValueError:
+        if temporary:
+            coordinator.detach()
+        raise
+    tight = dataclasses.replace(knobs, max_live_parameters=min(knobs.max_live_parameters, live))
     coordinator.live.knobs = coordinator.prefetcher.knobs = tight
     world = next(iter(coordinator.table.records.values())).world_size
     synced = _SyncedGenerate(model, enabled=world > 1)
