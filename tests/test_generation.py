@@ -139,6 +139,10 @@ def _training_case(generate: bool, mixed: bool) -> dict:
             with generating(model, memory_budget=limit) as mode:
                 tokens[mode] = model.generate(_prompt(rank), max_new_tokens=6, do_sample=False, pad_token_id=0)
         model.train()
+        if mixed:  # the unsharded model in bf16 with the same (stepped) weights
+            plain.load_state_dict(full_state_dict(model, rank0_only=False))
+            plain.to(torch.bfloat16).eval()
+            tokens["plain"] = plain.generate(_prompt(rank), max_new_tokens=6, do_sample=False, pad_token_id=0)
     losses += _train(model, optimizer, 2, rank)
     stats = coordinator.stats()
     return dict(losses=torch.stack(losses), digest=stats.trace_digest, tokens=tokens,
@@ -155,6 +159,7 @@ def test_training_after_generation_equals_training_without_it(mixed):
         assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
         # the same bf16 (or fp32) weights whether gathered once or streamed: the same tokens
         assert torch.equal(a["tokens"]["gathered"], a["tokens"]["streamed"])
+        assert not mixed or torch.equal(a["tokens"]["gathered"], a["tokens"]["plain"])
 
 
 def _lora(model: torch.nn.Module) -> torch.nn.Module:
