@@ -78,7 +78,7 @@ def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", cli
         opt.step()
         opt.zero_grad()
     after = comm_counter.by_group()
-    ledger = {g: after[g].get("all_reduce_calls", 0) - before.get(g, {}).get("all_reduce_calls", 0)
+    ledger = {g: after[g].get("all_reduce_bytes", 0) - before.get(g, {}).get("all_reduce_bytes", 0)
               for g in after}
     return full_state_dict(model, rank0_only=False), norms, ledger, coordinator.stats().bytes_by_group
 
@@ -95,9 +95,11 @@ def test_hybrid_layouts_equal_full_sharding_and_plain_torch():
             torch.testing.assert_close(hybrid[0][k], full[0][k], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(hybrid[0][k], ref[k], rtol=1e-5, atol=1e-6)
         assert hybrid[1] == hybrid[1] and all(abs(a - b) < 1e-5 * b for a, b in zip(hybrid[1], ref_norms))
-        if replicas == 2:  # explicit groups are the mesh's: bitwise
+        if replicas == 2:  # explicit groups are the mesh's, and the mean overlapped with backward: bitwise
             groups = run(4, _train, "groups")[0]
+            overlapped = run(4, _train, 2, sync="backward")[0]
             assert all(torch.equal(groups[0][k], hybrid[0][k]) for k in ref)
+            assert all(torch.equal(overlapped[0][k], hybrid[0][k]) for k in ref)
     one_by_four = run(4, _train, 1)[0]
     for k in ref:  # a mesh of one replica is full sharding: bitwise
         assert torch.equal(one_by_four[0][k], full[0][k])
@@ -138,9 +140,9 @@ def test_accumulation_all_reduces_across_replicas_once_per_step_and_equals_one_b
         torch.testing.assert_close(deferred[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(eager[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
     replica_group = "0,2"  # rank 0's column of the 2 x 2 mesh
-    per_step = deferred[0][2][replica_group] / 2
-    assert per_step == eager[0][2][replica_group] / 2 / MICRO  # deferred: 1/MICRO of the eager calls
-    assert per_step >= 1
+    per_step = deferred[0][2][replica_group] / 2  # all-reduce bytes across replicas
+    assert per_step == eager[0][2][replica_group] / 2 / MICRO  # deferred: 1/MICRO of the eager bytes
+    assert per_step == 4 * sum(-(-v.numel() // 2) for v in ref.values())  # each fp32 grad shard once
     step = deferred[0][3]  # stats() of the last micro-batch: gathers and reduce-scatters in the
     assert step["0,1"]["allgather_bytes"] > 0 and step["0,1"]["reduce_scatter_bytes"] > 0  # shard group
     assert replica_group not in step  # nothing crossed replicas since the micro-batch before

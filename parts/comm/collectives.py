@@ -129,6 +129,15 @@ def all_reduce(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = Reduce
     return t
 
 
+def all_reduce_async(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = ReduceOp.SUM) -> Waitable:
+    """``all_reduce`` issued without waiting: ``t`` holds the result once the handle's ``wait()``
+    returned (the handle keeps ``t`` alive until then); counted as ``all_reduce``."""
+    _count("all_reduce", 2 * wire_bytes(_nbytes(t), info.world_size) // max(info.world_size, 1), info)
+    if info.world_size == 1:
+        return Work()
+    return WorkList([dist.all_reduce(t, op=op, group=info.group, async_op=True)], (t,))
+
+
 def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:
     """Broadcast ``tensor`` in place from group rank ``src``."""
     _count("broadcast", _nbytes(tensor) if info.world_size > 1 else 0, info)

@@ -24,7 +24,7 @@ from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.core.grad_guard import raw_grad, set_raw_grad
 from parts.partition.core.grads import reduce_scatter_grads
-from parts.partition.core.replicas import sync_replica_grads
+from parts.partition.core.replicas import InFlight, pending_now, sync_replica_grads
 
 __all__ = ["GradReducer"]
 
@@ -46,6 +46,8 @@ class GradReducer:
         self._pending_numel = 0
         self._reducing: list[Waitable] = []  # reduce-scatters in flight (overlap_comm)
         self.replica_sync = "step"  # hybrid layouts: the cross-replica mean at the step, or each backward
+        self.replicating = InFlight()  # with "backward": cross-replica all-reduces issued as buckets land
+        self._mine = {id(m) for m in table.records.values()}
 
     def follow(self, force: bool = False) -> None:
         """At a backward's start: the flat reduce-scatter's members are the flat parameters that
@@ -76,7 +78,8 @@ class GradReducer:
         self._reduce(step)
         self.wait()
         if self.replica_sync == "backward":
-            sync_replica_grads(self.table.records.values())
+            self.replicating.finish()
+            sync_replica_grads(self.table.records.values())  # the flat ones, and what arrived since
 
     def _reduce(self, step: Optional[StepState]) -> None:
         """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
@@ -104,9 +107,12 @@ class GradReducer:
         reducing, self._reducing = self._reducing, []
         for handle in reducing:
             handle.discard()
+        self.replicating.finish()  # every replica issued them
 
     def wait(self) -> None:
         """Finish the reduce-scatters in flight (their slices land in the grad shards)."""
         reducing, self._reducing = self._reducing, []
         for handle in reducing:
             handle.wait()
+        if reducing and self.replica_sync == "backward":  # their cross-replica mean runs during backward
+            self.replicating.start(m for m in pending_now() if id(m) in self._mine)

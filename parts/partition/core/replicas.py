@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import torch
 
-from parts.comm import all_reduce, group_key
+from parts.comm import all_reduce, all_reduce_async, group_key
 from parts.partition.core import disk
 from parts.partition.core.param import ParamMeta, is_partitioned, meta
 from parts.partition.core.steps import before_each_step
@@ -47,6 +47,11 @@ def mark_pending(records: Iterable[ParamMeta]) -> None:
             before_each_step(_before_optimizer_step)
 
 
+def pending_now() -> list[ParamMeta]:
+    """Every record whose grad shard awaits its cross-replica all-reduce."""
+    return list(_pending)
+
+
 def pending_records(params: Iterable[Any]) -> list[ParamMeta]:
     """The records of ``params`` (sharded parameters or records) whose grad shards await the all-reduce."""
     out = []
@@ -61,18 +66,31 @@ def sync_replica_grads(records: Iterable[ParamMeta], bucket_numel: int = BUCKET_
     """All-reduce (mean) the pending grad shards of ``records`` across their replica groups;
     returns how many were synced. Every member of a replica group must call it with the same
     records (the same optimizer, the same model)."""
+    todo = _take(records)
+    for chunk in _buckets(todo, bucket_numel):
+        _all_reduce_mean(chunk)
+    return len(todo)
+
+
+def _take(records: Iterable[ParamMeta]) -> list[ParamMeta]:
+    """The pending ones of ``records`` in id order (the same on every replica), no longer pending."""
     todo = sorted({id(m): m for m in records if m.replica_pending}.values(), key=lambda m: m.id)
-    buckets: dict[tuple, list[tuple[ParamMeta, torch.Tensor]]] = {}
     for m in todo:
         m.replica_pending = False
         _pending.discard(m)
+    return todo
+
+
+def _buckets(todo: list[ParamMeta], bucket_numel: int) -> Iterable[list[tuple[ParamMeta, torch.Tensor]]]:
+    """``(record, grad shard)`` runs of one replica group, dtype and device, at most ``bucket_numel``
+    elements each (records without a grad shard left out)."""
+    groups: dict[tuple, list[tuple[ParamMeta, torch.Tensor]]] = {}
+    for m in todo:
         grad = _grad_of(m)
         if grad is not None:
-            buckets.setdefault((group_key(m.replica), grad.dtype, grad.device), []).append((m, grad))
-    for items in buckets.values():
-        for chunk in _chunks(items, bucket_numel):
-            _all_reduce_mean(chunk)
-    return len(todo)
+            groups.setdefault((group_key(m.replica), grad.dtype, grad.device), []).append((m, grad))
+    for items in groups.values():
+        yield from _chunks(items, bucket_numel)
 
 
 def _grad_of(m: ParamMeta) -> Any:
@@ -108,6 +126,42 @@ def _all_reduce_mean(items: list[tuple[ParamMeta, torch.Tensor]]) -> None:
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
+
+
+class InFlight:
+    """Cross-replica all-reduces issued while backward goes on (``set_replica_sync(model,
+    "backward")``): ``start`` packs the grad shards that just landed and issues their all-reduce
+    without waiting, so it runs while backward computes; ``finish`` (at the backward's end)
+    waits and writes the means back. A grad shard that received more since it was packed keeps
+    that part (replica-local, so it is pending again and a later sync averages it)."""
+
+    def __init__(self) -> None:
+        self._runs: list[tuple[Any, torch.Tensor, torch.Tensor, list]] = []
+
+    def start(self, records: Iterable[ParamMeta], bucket_numel: int = BUCKET_NUMEL) -> None:
+        """Issue the all-reduce of the pending grad shards of ``records`` (no longer pending)."""
+        for chunk in _buckets(_take(records), bucket_numel):
+            info = chunk[0][0].replica
+            local = torch.cat([g.reshape(-1) for _, g in chunk])
+            summed = local.clone()
+            self._runs.append((all_reduce_async(summed, info), local, summed, chunk))
+
+    def finish(self) -> None:
+        """Wait for every all-reduce issued, write the means into the grad shards."""
+        runs, self._runs = self._runs, []
+        for work, local, summed, items in runs:
+            work.wait()
+            summed.div_(items[0][0].replica.world_size)
+            off = 0
+            with torch.no_grad():
+                for m, g in items:
+                    mean, before = summed[off:off + g.numel()].view_as(g), local[off:off + g.numel()].view_as(g)
+                    off += g.numel()
+                    if torch.equal(g, before):  # (grad shards may be views of one buffer: values, not versions)
+                        g.copy_(mean)
+                    else:  # more arrived: mean + (now - packed), the new part still this replica's
+                        g.add_(mean - before)
+                        mark_pending([m])
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
