@@ -66,13 +66,15 @@ def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", cli
     with partitioned(**_layout(replicas)):
         model = _model()
     coordinator = attach(model, persistence_threshold=100)
-    set_replica_sync(coordinator, sync)
+    set_replica_sync(coordinator, "step" if sync == "last" else sync)
     opt = torch.optim.SGD(shards(model), lr=LR)
     before, norms = comm_counter.by_group(), []
     for x, y in _batches(steps, 2 * micro * world):
         xs, ys = x.chunk(world * micro), y.chunk(world * micro)
         for k in range(micro):
             i = rank * micro + k
+            if sync == "last":  # overlapped with the last micro-batch's backward only
+                set_replica_sync(coordinator, "backward" if k == micro - 1 else "step")
             (nn.functional.mse_loss(model(xs[i]), ys[i]) / micro).backward()
         norms.append(float(clip_grad_norm_(model, clip if clip else 1e9)))
         opt.step()
@@ -136,9 +138,12 @@ def test_accumulation_all_reduces_across_replicas_once_per_step_and_equals_one_b
     ref, _ = _reference(2, MICRO, 4)
     deferred = run(4, _train, 2, steps=2, micro=MICRO)
     eager = run(4, _train, 2, steps=2, micro=MICRO, sync="backward")
+    last = run(4, _train, 2, steps=2, micro=MICRO, sync="last")
     for k in ref:
         torch.testing.assert_close(deferred[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(eager[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
+        assert torch.equal(last[0][0][k], deferred[0][0][k])
+    assert last[0][2]["0,2"] == deferred[0][2]["0,2"]  # the same bytes across replicas
     replica_group = "0,2"  # rank 0's column of the 2 x 2 mesh
     per_step = deferred[0][2][replica_group] / 2  # all-reduce bytes across replicas
     assert per_step == eager[0][2][replica_group] / 2 / MICRO  # deferred: 1/MICRO of the eager bytes
