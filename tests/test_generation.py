@@ -81,7 +81,7 @@ def _resident_bytes(model: torch.nn.Module) -> int:
 def _streamed_case(kind: str) -> dict:
     import torch.distributed as dist
     from parts.partition import generating
-    model, plain, _ = _pair(kind, persistence_threshold=0, fetch_unit_size=0, prefetch_bucket_size=4000)
+    model, plain, coordinator = _pair(kind, persistence_threshold=0, fetch_unit_size=0, prefetch_bucket_size=4000)
     whole = sum(p.numel() * 4 for p in plain.parameters())
     budget = whole // 2
     peak = [0]
@@ -95,10 +95,13 @@ def _streamed_case(kind: str) -> dict:
     new = 4 + 5 * rank
     with generating(model, memory_budget=budget) as mode:
         got = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        streamed = coordinator.stats().allgather_bytes  # the last decoding step's
     for h in handles:
         h.remove()
+    model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0, synced_gpus=True)
     ref = plain.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
-    return dict(mode=mode, same=torch.equal(got, ref), peak=peak[0], budget=budget, whole=whole)
+    return dict(mode=mode, same=torch.equal(got, ref), peak=peak[0], budget=budget, whole=whole,
+                streamed=streamed, every_layer=coordinator.stats().allgather_bytes)
 
 
 @pytest.mark.parametrize("kind,world", [("gpt2", 2), ("llama", 3)])
@@ -106,6 +109,8 @@ def test_generate_streamed_within_a_budget_equals_the_unsharded_model(kind, worl
     for out in run(world, _streamed_case, kind, timeout=120):
         assert out["mode"] == "streamed" and out["same"]
         assert 0 < out["peak"] <= out["budget"] < out["whole"]
+        # what fits the budget stays gathered between decoding steps: each gathers less than all
+        assert 0 < out["streamed"] < out["every_layer"]
 
 
 def _train(model: torch.nn.Module, optimizer, steps: int, rank: int) -> list:
@@ -236,3 +241,15 @@ def test_unattached_model_is_gathered_and_a_budget_below_one_unit_is_refused():
         assert out["mode"] == "gathered" and out["same"]
         assert "largest fetch unit" in out["errors"][0] and "memory_budget=1000" in out["errors"][0]
         assert "memory_budget must be a number of bytes" in out["errors"][1]
+
+
+def test_keep_plan_leaves_room_for_the_largest_streamed_unit():
+    from parts.partition.coordinator.generating import keep_plan
+    sizes = {0: 100, 1: 30, 2: 30, 3: 5, 4: 5, 5: 1}
+    units = [[0], [1, 3], [2, 4], [5]]
+    for budget in range(0, 200, 7):
+        kept = keep_plan(sizes, units, frozenset({5}), budget)
+        streamed = max(sum(sizes[p] for p in u if p not in kept and p != 5) for u in units)
+        assert 5 not in kept and sum(sizes[p] for p in kept) + streamed <= max(budget, streamed)
+    assert keep_plan(sizes, units, frozenset({5}), 135) == frozenset({0})  # 100 kept + 35 streamed
+    assert keep_plan(sizes, units, frozenset({5}), 99) == frozenset()

@@ -10,7 +10,9 @@ it pays the whole model's all-gather per token. Inside ``generating``:
   may run different numbers of forwards;
 * otherwise the coordinator streams the layers as in any no-grad step, prefetching along the
   recorded forward order, with its live budget lowered so that the persistent parameters and
-  the gathered ones stay within ``memory_budget``; every forward is a collective, so
+  the gathered ones stay within ``memory_budget``; the largest parameters that leave room for
+  the streamed layers stay gathered from one decoding step to the next, so each step gathers
+  only the rest; every forward is a collective, so
   ``model.generate`` defaults to ``synced_gpus=True`` at world > 1 (a rank whose sequences
   ended keeps running forwards until all ranks are done).
 
@@ -25,7 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +35,9 @@ from torch import nn
 from parts.comm.collectives import min_max
 from parts.partition.coordinator.api import attach
 from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
+from parts.partition.coordinator.live import LiveSet
+from parts.partition.coordinator.step import StepState
+from parts.partition.coordinator.table import ParamTable
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, is_partitioned, meta, wanted_dtype
 
@@ -175,13 +180,63 @@ def _streamed(model: nn.Module, coordinator: Optional[FetchCoordinator], budget:
     coordinator.live.knobs = coordinator.prefetcher.knobs = tight
     world = next(iter(coordinator.table.records.values())).world_size
     synced = _SyncedGenerate(model, enabled=world > 1)
+    kept = _KeepBetweenSteps(coordinator.live, coordinator.table)
     try:
         yield
     finally:
+        kept.close()
         synced.close()
         coordinator.live.knobs = coordinator.prefetcher.knobs = knobs
         if temporary:
             coordinator.detach()
+
+
+class _KeepBetweenSteps:
+    """Keep some gathered parameters from one no-grad step to the next instead of releasing them
+    after use: the next decoding step finds them gathered (nothing steps the shards meanwhile)
+    and gathers only the rest. Kept are the largest that leave room, within the live budget,
+    for the largest fetch unit still streamed (prefetch takes what room is left), so streaming
+    never has to evict them. A kept parameter gets a hold of its own when the first forward
+    that used it returns; every rank keeps the same (arithmetic on sizes and units). ``close``
+    drops the holds and releases them (no collective)."""
+
+    def __init__(self, live: LiveSet, table: ParamTable) -> None:
+        self.live, self.plain = live, live.done_with
+        units = [ids for index, ids in enumerate(table.sets) if ids and table.is_unit_root(index)]
+        self.keep = keep_plan(table.sizes, units, table.persistent, live.knobs.max_live_parameters)
+        self.held: list[int] = []
+        live.done_with = self.done_with
+
+    def done_with(self, ids: Sequence[int], step: Optional[StepState]) -> None:
+        """A forward returned: hold the kept ones among ``ids`` first, then the coordinator's own."""
+        fresh = [pid for pid in dict.fromkeys(ids) if pid in self.keep and pid not in self.held]
+        self.live.use(fresh)
+        self.held.extend(fresh)
+        self.plain(ids, step)
+
+    def close(self) -> None:
+        """The coordinator's own ``done_with`` again; the kept parameters released."""
+        del self.live.done_with
+        for pid in self.held:
+            self.live.uses[pid] -= 1
+        self.live.release(self.live.idle())
+
+
+def keep_plan(sizes: dict, units: list, persistent: frozenset, budget: int) -> frozenset:
+    """Params (largest first) to keep gathered between steps while ``kept + the largest unit's
+    streamed elements`` fits ``budget`` elements."""
+    kept: set = set()
+    total = 0
+
+    def streamed(extra: int) -> int:
+        return max((sum(sizes[p] for p in ids if p not in kept and p not in persistent and p != extra)
+                    for ids in units), default=0)
+
+    for pid in sorted((p for p in sizes if p not in persistent), key=lambda p: (-sizes[p], p)):
+        if total + sizes[pid] + streamed(pid) <= budget:
+            kept.add(pid)
+            total += sizes[pid]
+    return frozenset(kept)
 
 
 class _SyncedGenerate:
