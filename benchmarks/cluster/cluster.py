@@ -144,7 +144,12 @@ def main() -> None:
     finally:
         teardown()
     _print(results, args)
-    record("bench_cluster", {"rate": args.rate, "delay": args.delay, "steps": args.steps, "systems": results})
+    rows = [{"system": name, "step_s": round(r["step"], 2), "final_loss": round(r["loss"], 4),
+             "link_tx_GB": round(r["link_tx"] / 1e9, 3), "link_rx_GB": round(r["link_rx"] / 1e9, 3),
+             "peak_rss_MiB": round(r["peak_rss"] / 2**20)} for name, r in results.items()]
+    record("bench_cluster", {"rows": rows, "summary": {"rate": args.rate, "delay": args.delay or "none",
+                                                      "steps": args.steps},
+                             "ledgers": {name: r["ledger"] for name, r in results.items()}})
 
 
 if __name__ == "__main__":
