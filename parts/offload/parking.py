@@ -56,6 +56,7 @@ class Parked:
     staged: bool = False  # a save under the staged key awaits ``commit`` or ``unstage``
     # the norms {1, 2, inf} of a grad consumed by a step during backward (a call: it may wait a read)
     consumed: Optional[Callable[[], dict[float, torch.Tensor]]] = field(default=None, repr=False)
+    label: str = ""  # what errors call it: the parameter a shard belongs to, else its key
 
     @property
     def grad_key(self) -> str:
@@ -103,9 +104,11 @@ def _install_guard() -> None:
         _guard["handle"] = register_optimizer_step_pre_hook(_refuse_plain_step)
 
 
-def park(t: torch.Tensor, store: DiskStore, key: str, grad_of: Optional[torch.Tensor] = None) -> Parked:
+def park(t: torch.Tensor, store: DiskStore, key: str, grad_of: Optional[torch.Tensor] = None,
+         label: str = "") -> Parked:
     """Write ``t`` (contiguous, CPU) to ``store`` under ``key`` and empty its storage; with
-    ``grad_of`` (a parked tensor of ``t``'s shape), ``t``'s grad is the one stored for it."""
+    ``grad_of`` (a parked tensor of ``t``'s shape), ``t``'s grad is the one stored for it;
+    ``label`` names it in errors (the parameter a shard belongs to)."""
     _install_guard()
     if parked(t) is not None:
         raise RuntimeError(f"parts.offload: tensor {tuple(t.shape)} is already parked under "
@@ -114,7 +117,7 @@ def park(t: torch.Tensor, store: DiskStore, key: str, grad_of: Optional[torch.Te
         raise ValueError(f"parts.offload: park needs a tensor that owns its whole storage "
                          f"(key {key!r}, shape {tuple(t.shape)}); pass a fresh contiguous tensor")
     record = Parked(store, key, t.nbytes, resident=True,
-                    grad_of=None if grad_of is None else parked(grad_of))
+                    grad_of=None if grad_of is None else parked(grad_of), label=label or key)
     t.__dict__[_ATTR] = record
     store.write(key, t).wait()
     drop(t)

@@ -78,3 +78,69 @@ def memory_bound(b: OffloadBudget, activations: int = 0) -> int:
     grads = 2 * b.reduce_bucket_size * 4
     alignment = (shards + optimizer + grads) // 16
     return live + shards + optimizer + store + grads + alignment + activations
+
+
+# A memory budget's shares of its remainder after the IO threads' bounce buffers. Most goes to
+# the optimizer chunk (three are held: ``memory_bound``), so the smallest budget is about six
+# times the largest parameter's step bytes (value, grad, state); then the store's transfers in
+# flight, the coordinator's live budget (gathered parameters and those prefetched), a reduce
+# bucket (two full grads are held) and the reuse pool. With the read-ahead shards (twice the
+# prefetch bucket over the world size) and the alignment term, ``memory_bound`` of the sized
+# knobs is at most 0.91 of the budget (activations are extra).
+SHARES = dict(chunk=1 / 6, max_inflight=1 / 8, live=1 / 12, reduce=1 / 32, reuse=1 / 32)
+DEFAULT_FRACTION = 16  # a default budget is 1/16 of the available memory per local rank
+MIN_DEFAULT_BUDGET, MAX_DEFAULT_BUDGET = 512 << 20, 16 << 30
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """The knobs a memory budget sizes (bytes), and where the budget came from."""
+
+    memory_budget: int
+    block_bytes: int
+    max_inflight_bytes: int
+    reuse_bytes: int
+    chunk_bytes: int
+    live_bytes: int  # the coordinator's max_live_parameters + prefetch_bucket_size, in bytes
+    reduce_bytes: int  # the coordinator's reduce bucket, in fp32 grad bytes
+    reason: str = "given"
+    given: bool = True
+    bounce_bytes: int = 0  # the IO threads' bounce buffers, taken off the top  # the user's (a parameter it cannot hold is an error) or a default
+
+    def attach_knobs(self, itemsize: int) -> dict[str, int]:
+        """``attach()`` sizes (elements of ``itemsize`` bytes): a third of the live budget
+        prefetched (and twice that read ahead from disk), the rest gathered in use."""
+        prefetch = max(1, self.live_bytes // 3 // itemsize)
+        return dict(prefetch_bucket_size=prefetch, max_live_parameters=2 * prefetch,
+                    reduce_bucket_size=max(1, self.reduce_bytes // 4))
+
+
+def split_budget(memory_budget: int, threads: int, block_bytes: int, align: int = 4096,
+                 reason: str = "given", given: bool = True) -> BudgetSplit:
+    """Size the store, optimizer and coordinator windows from ``memory_budget`` bytes for one rank."""
+    if memory_budget < 64 * align * threads:
+        raise ValueError(f"memory_budget: {memory_budget} bytes is too small; at least "
+                         f"{64 * align * threads} for {threads} IO threads")
+    block = max(align, min(block_bytes, memory_budget // (16 * threads)) // align * align)
+    rest = memory_budget - threads * block
+    share = {name: int(rest * f) for name, f in SHARES.items()}
+    return BudgetSplit(memory_budget, block, share["max_inflight"], share["reuse"], share["chunk"],
+                       share["live"], share["reduce"], reason, given, threads * block)
+
+
+def min_budget(step_bytes: int, threads: int, block_bytes: int, align: int = 4096) -> int:
+    """The smallest budget (bytes, to within 6) whose optimizer chunk holds a parameter's
+    ``step_bytes`` (value, grad, state), for a store of ``threads`` and at most ``block_bytes`` blocks."""
+    budget = 6 * step_bytes + 6
+    while True:
+        split = split_budget(max(budget, 64 * align * threads), threads, block_bytes, align)
+        if split.chunk_bytes >= step_bytes:
+            return split.memory_budget
+        budget = 6 * step_bytes + split.bounce_bytes + 6
+
+
+def default_budget(available: int, local_ranks: int) -> int:
+    """A rank's default budget: ``1/DEFAULT_FRACTION`` of the available memory over the local ranks,
+    within [MIN_DEFAULT_BUDGET, MAX_DEFAULT_BUDGET] (the rest: activations, page cache, the others)."""
+    share = available // max(local_ranks, 1) // DEFAULT_FRACTION
+    return max(MIN_DEFAULT_BUDGET, min(MAX_DEFAULT_BUDGET, share))

@@ -41,11 +41,12 @@ from typing import Any, Optional
 import torch
 
 from parts.base.storage_pool import StoragePool
-from parts.offload import _fileio, _scratch
+from parts.offload import _fileio, _heap, _scratch
 from parts.offload._fileio import ALIGN, round_up
 from parts.offload._fileio import DiskFullError as DiskFullError  # raised by writes: part of the store
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
+from parts.offload.plan import DEFAULT_FRACTION, BudgetSplit, default_budget, split_budget
 
 
 class IOHandle:
@@ -100,14 +101,20 @@ def _scratch_dir(path: str) -> str:
 class DiskStore:
     """One rank's scratch store of tensors in files under ``path``; see the module docstring."""
 
-    def __init__(self, path: str, *, threads: int = 4, max_inflight_bytes: int = 256 << 20,
-                 block_bytes: int = 8 << 20, direct: Optional[bool] = None, reuse_bytes: int = 64 << 20) -> None:
-        if threads < 1 or max_inflight_bytes < 1:
+    def __init__(self, path: str, *, threads: int = 4, max_inflight_bytes: Optional[int] = None,
+                 block_bytes: int = 8 << 20, direct: Optional[bool] = None, reuse_bytes: Optional[int] = None,
+                 memory_budget: Optional[int] = None) -> None:
+        if threads < 1 or (max_inflight_bytes is not None and max_inflight_bytes < 1):
             raise ValueError(f"DiskStore: threads and max_inflight_bytes must be >= 1, got "
                              f"{threads} and {max_inflight_bytes}")
         if block_bytes < ALIGN or block_bytes % ALIGN:
             raise ValueError(f"DiskStore: block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
-        reuse = StoragePool(reuse_bytes, newest_first=False)
+        self.budget = _budget(memory_budget, threads, block_bytes)  # sizes the windows not given
+        if memory_budget is not None:
+            block_bytes = self.budget.block_bytes
+        max_inflight_bytes = self.budget.max_inflight_bytes if max_inflight_bytes is None else max_inflight_bytes
+        _heap.bound_heap()  # freed transfer buffers leave the process: the memory bound holds
+        reuse = StoragePool(self.budget.reuse_bytes if reuse_bytes is None else reuse_bytes, newest_first=False)
         self.path = os.path.abspath(os.fspath(path))
         self.directory = _scratch_dir(self.path)
         self.reclaimed_bytes = _scratch.reclaim(self.path, keep=self.directory)  # left by dead owners
@@ -251,7 +258,7 @@ class DiskStore:
         state = "closed" if self.closed else f"{len(self._index)} keys, {self.used_bytes / 2**20:.1f} MiB"
         return (f"DiskStore({self.directory!r}, {self.mode}, {state}, threads={self.threads}, "
                 f"max_inflight_bytes={self.max_inflight_bytes}, block_bytes={self.block_bytes}, "
-                f"reuse_bytes={self.reuse.capacity})")
+                f"reuse_bytes={self.reuse.capacity}, memory_budget={self.budget.memory_budget})")
 
     def __enter__(self) -> "DiskStore":
         return self
@@ -370,6 +377,32 @@ class DiskStore:
                 self._errors.append(op.error)
             self._lock.notify_all()
         self._queue.done(op)
+
+
+def available_memory() -> int:
+    """Bytes of memory the system can give without swapping (``MemAvailable``; all of RAM if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for row in f:
+                if row.startswith("MemAvailable:"):
+                    return int(row.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _budget(memory_budget: Optional[int], threads: int, block_bytes: int) -> BudgetSplit:
+    """The windows ``memory_budget`` sizes; by default a share of the available memory per local rank."""
+    if memory_budget is not None:
+        if not isinstance(memory_budget, int) or isinstance(memory_budget, bool):
+            raise TypeError(f"DiskStore: memory_budget must be an int of bytes, got {memory_budget!r}")
+        return split_budget(memory_budget, threads, block_bytes, ALIGN, "given (memory_budget=)")
+    available = available_memory()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    budget = default_budget(available, ranks)
+    why = (f"default: {available / 2**30:.1f} GiB available / {ranks} local rank(s) "
+           f"(LOCAL_WORLD_SIZE) / {DEFAULT_FRACTION}, within [0.5, 16] GiB")
+    return split_budget(budget, threads, block_bytes, ALIGN, why, given=False)
 
 
 def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:

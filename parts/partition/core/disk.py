@@ -45,9 +45,9 @@ def store_of(remote_device: Any) -> Optional[DiskStore]:
     return remote_device if isinstance(remote_device, DiskStore) else None
 
 
-def park_shard(shard: torch.Tensor, store: DiskStore, pid: int) -> None:
-    """Write a new shard to ``store`` and empty its memory."""
-    parking.park(shard, store, f"shard/{pid}")
+def park_shard(shard: torch.Tensor, store: DiskStore, pid: int, name: str = "") -> None:
+    """Write a new shard of parameter ``name`` to ``store`` and empty its memory."""
+    parking.park(shard, store, f"shard/{pid}", label=f"shard of {name}" if name else "")
 
 
 def load_for_send(shard: torch.Tensor) -> bool:

@@ -183,7 +183,7 @@ def _finish(name: str, p: nn.Parameter, flat: torch.Tensor, shape: torch.Size, p
     layout = ShardLayout(shape.numel(), spec.info.world_size)
     shard = _new_shard(flat, layout, spec, sdtype, sdev)
     if disk.store_of(spec.remote_device) is not None:
-        disk.park_shard(shard, spec.remote_device, pid)
+        disk.park_shard(shard, spec.remote_device, pid, name)
     record = ParamMeta(name=name, shape=shape, dtype=sdtype, layout=layout, shard=shard,
                        info=spec.info, id=pid, device=dev, init_dtype=flat.dtype, replica=spec.replica)
     p.data = empty_like_released(sdtype, dev)
