@@ -130,15 +130,25 @@ def _whole(params: list[nn.Parameter], coordinator: Optional[FetchCoordinator]) 
     pool = coordinator.live.pool if coordinator is not None else None
     group = coordinator.group if coordinator is not None else None
     gather(params, group, pool=pool, compute=coordinator is not None)
-    root = None
-    if coordinator is not None:  # every hook returns at once while the coordinator has no root
-        root, coordinator._root = coordinator._root, None
+    aside = _hooks_aside(coordinator) if coordinator is not None else contextlib.nullcontext()
+    try:
+        with aside:
+            yield
+    finally:
+        release([p for p in params if id(p) not in before], free_storage=True, pool=pool)
+
+
+@contextlib.contextmanager
+def _hooks_aside(coordinator: FetchCoordinator) -> Iterator[None]:
+    """Every hook of ``coordinator`` returns at once (it sees no root) while the block runs."""
+    state = getattr(coordinator, "_state", None)  # the attached state, where the root lives
+    holder, name = (state, "root") if state is not None and hasattr(state, "root") else (coordinator, "_root")
+    root = getattr(holder, name)
+    setattr(holder, name, None)
     try:
         yield
     finally:
-        if coordinator is not None:
-            coordinator._root = root
-        release([p for p in params if id(p) not in before], free_storage=True, pool=pool)
+        setattr(holder, name, root)
 
 
 def _largest_unit(coordinator: FetchCoordinator) -> int:
