@@ -31,7 +31,7 @@ from chardata import VOCAB_SIZE, batch, load_splits
 from gpt_model import GPT, GPTConfig
 from offload_timing import CommTimer
 from parts.comm import all_gather_objects, broadcast_object
-from parts.observe import set_mmap_threshold, snapshot
+from parts.observe import snapshot
 from parts.offload import DiskStore, OffloadedOptimizer
 from parts.partition import attach, partitioned, shards
 
@@ -62,9 +62,12 @@ def parse_args() -> argparse.Namespace:
     add("--after-backward", action="store_true",
         help="step the offloaded optimizer after backward (grads to disk and back), not during it")
     add("--seed", type=int, default=1234, help="seed of the weights and the batches")
-    add("--chunk-mib", type=int, default=256, help="optimizer chunk (parameter + grad + state bytes)")
+    add("--memory-budget-gib", type=float, default=None,
+        help="memory per rank the store's windows, the optimizer chunk and the coordinator's live budget "
+             "are sized from; None: DiskStore's default (a share of the available memory per local rank)")
+    add("--chunk-mib", type=int, default=None, help="optimizer chunk (parameter + grad + state bytes); None: the budget's")
     add("--io-threads", type=int, default=4, help="IO threads per rank's store")
-    add("--inflight-mib", type=int, default=256, help="cap on bytes of store transfers outstanding")
+    add("--inflight-mib", type=int, default=None, help="cap on bytes of store transfers outstanding; None: the budget's")
     return ap.parse_args()
 
 
@@ -124,16 +127,37 @@ def check_disk(path: str, need: int) -> None:
                          f"or a smaller --params")
 
 
+def live_knobs(config: GPTConfig, store: DiskStore) -> dict[str, int]:
+    """The coordinator's knobs from the store's budget, but a block prefetched and two gathered at
+    least (a block's weights are used together)."""
+    layer = 12 * config.n_embd ** 2
+    knobs = store.budget.attach_knobs(4)
+    return dict(prefetch_bucket_size=max(knobs["prefetch_bucket_size"], layer),
+                max_live_parameters=max(knobs["max_live_parameters"], 2 * layer),
+                reduce_bucket_size=max(knobs["reduce_bucket_size"], layer))
+
+
+def budget_rows(store: DiskStore, config: GPTConfig) -> list[tuple[str, str]]:
+    """What the store's memory budget chose, and why."""
+    b, knobs = store.budget, live_knobs(config, store)
+    return [("memory budget per rank", f"{b.memory_budget / GiB:.2f} GiB: {b.reason}"),
+            ("  store", f"{store.max_inflight_bytes / 2**20:.0f} MiB in flight, {store.reuse.capacity / 2**20:.0f} MiB "
+                        f"reuse pool, {store.threads} x {store.block_bytes / 2**20:.1f} MiB bounce blocks"),
+            ("  optimizer chunk", f"{b.chunk_bytes / 2**20:.0f} MiB (three held: read, stepped, written)"),
+            ("  coordinator", f"{knobs['max_live_parameters'] * 4 / 2**20:.0f} MiB gathered, "
+                              f"{knobs['prefetch_bucket_size'] * 4 / 2**20:.0f} MiB prefetched "
+                              f"(twice that read ahead from disk; at least two blocks)")]
+
+
 def build(args: argparse.Namespace, store: DiskStore):
     torch.manual_seed(args.seed)
     config = config_of(args)
     with partitioned(remote_device=None if args.in_memory else store):
         model = GPT(config)
-    layer = 12 * config.n_embd ** 2
-    attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
-           persistence_threshold=4 * config.n_embd, reduce_bucket_size=layer)
+    attach(model, max_reuse_distance=0, persistence_threshold=4 * config.n_embd, **live_knobs(config, store))
     inner = torch.optim.AdamW(shards(model), lr=args.lr or lr_for(config), weight_decay=0.0)
-    optimizer = inner if args.in_memory else OffloadedOptimizer(inner, store, chunk_bytes=args.chunk_mib << 20)
+    chunk = None if args.chunk_mib is None else args.chunk_mib << 20
+    optimizer = inner if args.in_memory else OffloadedOptimizer(inner, store, chunk_bytes=chunk)
     warm = max(args.warmup, 1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     return model, optimizer, schedule
@@ -184,7 +208,6 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    set_mmap_threshold(128 * 1024)
     psi = count_params(config_of(args))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if rank == 0:
@@ -192,11 +215,13 @@ def main() -> None:
         print(report.table(arithmetic(psi, world, ram, disk)), flush=True)
         check_disk(args.store, disk)
     dist.barrier()
-    store = DiskStore(os.path.join(args.store, f"rank{rank}"), threads=args.io_threads,
-                      max_inflight_bytes=args.inflight_mib << 20)
+    budget = None if args.memory_budget_gib is None else int(args.memory_budget_gib * GiB)
+    store = DiskStore(os.path.join(args.store, f"rank{rank}"), threads=args.io_threads, memory_budget=budget,
+                      max_inflight_bytes=None if args.inflight_mib is None else args.inflight_mib << 20)
     directories = all_gather_objects(store.directory)
     if rank == 0:
         print("scratch stores (removed at exit): " + ", ".join(directories), flush=True)
+        print(report.table(budget_rows(store, config_of(args))), flush=True)
         where = "partitioned() in memory" if args.in_memory else "partitioned(remote_device=store)"
         print(f"store: {store.mode}; building {args.params} under {where}; AdamW lr "
               f"{args.lr or lr_for(config_of(args)):.2e} ({max(args.warmup, 1)}-step warm-up), "
