@@ -46,7 +46,7 @@ from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.abort import BackwardWatch
 from parts.partition.coordinator.checks import check_group, check_sharded
-from parts.partition.coordinator.debug import RankDivergence, StepCheck
+from parts.partition.coordinator.debug import StepCheck
 from parts.partition.coordinator.flat import FlatGather, FlatReduce
 from parts.partition.coordinator.frozen import FrozenRelease
 from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, RunningUnits, eager,
@@ -64,18 +64,21 @@ from parts.partition.core import points
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
 
-__all__ = ["FetchCoordinator", "RankDivergence", "attached_to"]
-
 _attached = AttachedLookup()
 """Which coordinator hooks a module: a weak lookup for the module-level ``detach(module)`` and
 ``register_external_parameter(module, p)``; it configures nothing and forgets dead modules."""
 
 
-class _Pieces:
-    """The named pieces of an attached coordinator, each holding its own state."""
+class _Attached:
+    """What an attached coordinator holds: its named pieces (each holding its own state) and the
+    hooks' lifecycle. Built whole by ``attach``, dropped whole by ``detach``."""
 
     def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg,
-                 precision: Optional[MixedPrecision], sync_buffers: bool) -> None:
+                 precision: Optional[MixedPrecision], sync_buffers: bool,
+                 undo_precision: Optional[Callable[[], None]], backward_step: Callable,
+                 drop_aborted: Callable[[], None]) -> None:
+        self.root = module
+        self._undo_precision = undo_precision
         self.counters = StepCounters()
         self.table = ParamTable(module, knobs)
         self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group),
@@ -89,6 +92,35 @@ class _Pieces:
                                    self.flat_grads)
         self.steps = Steps(module, self.table, self.live, self.prefetcher, self.check, self.counters,
                            sync_buffers, self.flat)
+        self.flat_ids = frozenset(self.flat.pids)
+        self.frozen = FrozenRelease(self.table, self.live, backward_step)
+        self.watch = BackwardWatch(self.table, self.live, self.reducer, self.steps, drop_aborted)
+        self._checker: Optional[weakref.WeakMethod] = None  # debug: the step check's hook (points.py)
+        self._hooks: dict[int, ModuleHooks] = {}
+        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._unhooked = list(self.table.params.values())  # params without a grad hook (yet)
+        self._stack: list[ModuleCall] = []
+        self._bwd_phase: Optional[str] = None
+        self._bwd_creates_graph = False
+        self._units: dict[int, int] = {}  # submodule index -> its fused block's (compiled.py)
+        self._running = RunningUnits()  # which unit's own parameter reads are not external
+
+
+class _Through:
+    """A coordinator attribute that lives on its ``_Attached`` state: there only while attached."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        if obj._state is None:
+            raise AttributeError(f"FetchCoordinator.{self.name}: the coordinator is not attached")
+        return getattr(obj._state, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj._state, self.name, value)
 
 
 class FetchCoordinator:
@@ -107,6 +139,9 @@ class FetchCoordinator:
     """
 
     group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
+    (table, live, prefetcher, reducer, check, counters, steps, flat_grads, flat_ids, frozen, watch,
+     _undo_precision, _checker, _hooks, _grad_hooks, _unhooked, _stack, _bwd_phase, _bwd_creates_graph,
+     _units, _running) = (_Through() for _ in range(21))  # the attached state (_Attached), read through
 
     def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
                  max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,
@@ -119,12 +154,16 @@ class FetchCoordinator:
             raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
                             f"got {type(mixed_precision).__name__}")
         self.group, self.mixed_precision, self.sync_buffers = group, mixed_precision, sync_buffers
-        self._undo_precision: Optional[Callable[[], None]] = None
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
                            reduce_bucket_size, cache_freed_storage, fetch_unit_size)
-        self._root: Optional[nn.Module] = None
+        self._state: Optional[_Attached] = None  # while attached
         self._last: Optional[CoordinatorStats] = None  # the stats of a detached coordinator's last step
+
+    @property
+    def _root(self) -> Optional[nn.Module]:
+        """The module this coordinator is attached to (None while detached)."""
+        return self._state.root if self._state is not None else None
 
     # ----------------------------------------------------------------- attach / detach
     def attach(self, module: nn.Module) -> "FetchCoordinator":
@@ -134,18 +173,12 @@ class FetchCoordinator:
                                "module; call detach() first or make a new coordinator")
         check_sharded(module, _attached)
         check_group(module, self.group)
-        self._root = module
+        undo = None
         if self.mixed_precision is not None:  # compute dtypes on the records: gathers and grads cast
-            self._undo_precision = apply_mixed_precision(module, self.mixed_precision)
-        pieces = _Pieces(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers)
-        self.table, self.live, self.prefetcher = pieces.table, pieces.live, pieces.prefetcher
-        self.reducer, self.check, self.counters = pieces.reducer, pieces.check, pieces.counters
-        self.steps, self.flat_grads = pieces.steps, pieces.flat_grads
-        self.flat_ids = frozenset(pieces.flat.pids)
-        self.frozen = FrozenRelease(self.table, self.live, weak_method(self._backward_step))
+            undo = apply_mixed_precision(module, self.mixed_precision)
         drop_aborted = weak_method(self._drop_aborted_backward)
-        self.watch = BackwardWatch(self.table, self.live, self.reducer, self.steps, drop_aborted)
-        self._setup_lifecycle()
+        self._state = _Attached(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers,
+                                undo, weak_method(self._backward_step), drop_aborted)
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
                 self._hook(index)
@@ -185,7 +218,6 @@ class FetchCoordinator:
         self.live.release_all()
         if self._undo_precision is not None:
             self._undo_precision()
-            self._undo_precision = None
         remove_zero_grad(self.table.modules)
         remove_apply(self.table.modules)
         for sub in self.table.modules:
@@ -193,17 +225,7 @@ class FetchCoordinator:
         for sub in self.table.modules:
             if _attached.get(sub) is self:
                 del _attached[sub]
-        self._root, self._last = None, self.steps.last
-
-    def _setup_lifecycle(self) -> None:
-        self._hooks: dict[int, ModuleHooks] = {}
-        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._unhooked = list(self.table.params.values())  # params without a grad hook (yet)
-        self._stack: list[ModuleCall] = []
-        self._bwd_phase: Optional[str] = None
-        self._bwd_creates_graph = False
-        self._units: dict[int, int] = {}  # submodule index -> its fused block's (compiled.py)
-        self._running = RunningUnits()  # which unit's own parameter reads are not external
+        self._last, self._state = self.steps.last, None
 
     def _hook(self, index: int) -> None:
         """Hook the module at ``index``: a unit root fetches (lightly if it holds flat persistent
