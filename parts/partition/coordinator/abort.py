@@ -32,8 +32,6 @@ from parts.partition.coordinator.reduce import GradReducer
 from parts.partition.coordinator.steps import Steps
 from parts.partition.coordinator.table import ParamTable
 
-__all__ = ["BackwardWatch"]
-
 
 class _EndToken:
     """What a backward runs when it completes; the engine drops it unrun when it fails."""

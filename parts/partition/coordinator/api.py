@@ -9,8 +9,6 @@ from torch import nn
 
 from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
 
-__all__ = ["attach", "detach", "register_external_parameter", "refresh", "set_replica_sync"]
-
 
 def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **knobs: Any) -> FetchCoordinator:
     """Hook ``module`` (already sharded) so plain ``model(x); loss.backward()`` runs ZeRO-3."""

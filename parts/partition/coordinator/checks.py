@@ -9,8 +9,6 @@ from torch import nn
 from parts.comm import GroupArg, check_member
 from parts.partition.core.param import is_partitioned, meta
 
-__all__ = ["check_group", "check_sharded"]
-
 
 def check_sharded(module: nn.Module, attached: Any) -> None:
     """An nn.Module, not yet attached (``attached``: module -> coordinator), all params sharded."""

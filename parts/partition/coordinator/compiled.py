@@ -30,8 +30,6 @@ from torch import nn
 
 from parts.partition.construction.construct import drop_forward_check, restore_forward_check
 
-__all__ = ["compile_blocks", "uncompile_blocks"]
-
 
 def _coordinator_of(model: nn.Module) -> Any:
     """The ``FetchCoordinator`` attached to ``model``; a clear error if there is none."""

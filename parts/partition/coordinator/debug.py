@@ -22,9 +22,6 @@ import torch
 from parts.comm import GroupArg, WeakGroup, all_gather, group_info
 from parts.partition.coordinator.step import StepState
 
-__all__ = ["RankDivergence", "DebugPoint", "encode", "decode", "divergence_message", "ids_digest",
-           "exchange", "check_point", "differing_grads", "StepCheck"]
-
 KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end", "outside")
 _PHASE_WORDS = 3  # the phase name travels as 24 UTF-8 bytes (longer names are cut)
 RECORD_LEN = _PHASE_WORDS + 6

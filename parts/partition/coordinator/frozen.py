@@ -23,8 +23,6 @@ from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 
-__all__ = ["BackwardHold", "after_input_grads", "FrozenRelease"]
-
 
 class BackwardHold:
     """Whether a unit call's pre-backward fetched (held) its parameters in the current backward."""

@@ -41,8 +41,6 @@ from parts.partition.coordinator.table import ParamTable
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, is_partitioned, meta, wanted_dtype
 
-__all__ = ["generating", "spare_memory", "GATHERED", "STREAMED"]
-
 GATHERED = "gathered"  # every parameter gathered once for the block
 STREAMED = "streamed"  # layers gathered per forward within the budget
 

@@ -17,9 +17,6 @@ from torch import nn
 from parts._compat import graph_task_id, never_compiled
 
 
-__all__ = ["eager", "EAGER_REASON", "AttachedLookup", "RunningUnits", "UnitFlag", "WatchedParameters",
-           "register_pre_backward", "tensors_in", "ModuleHooks"]
-
 _MAX_DEPTH = 8
 
 EAGER_REASON = (
@@ -174,7 +171,6 @@ class ModuleHooks:
             params = self.module.__dict__["_parameters"]
             self.module.__dict__["_parameters"] = dict(params.items())
             self.watched = False
-
 
 
 class AttachedLookup:

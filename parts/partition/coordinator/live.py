@@ -26,8 +26,6 @@ from parts.partition.core.param import ParamStatus, is_stale, wanted_dtype
 if TYPE_CHECKING:
     from parts.partition.coordinator.flat import FlatGather
 
-__all__ = ["LiveSet"]
-
 _NOT_AVAILABLE = ParamStatus.NOT_AVAILABLE
 _AVAILABLE = ParamStatus.AVAILABLE
 

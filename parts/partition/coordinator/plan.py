@@ -18,11 +18,6 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-__all__ = [
-    "Knobs", "StepPlan", "build_plan", "choose_evictions", "collective_bytes", "keep_after_use",
-    "next_use", "prefetch_chunks", "prefetch_targets", "reuse_distance", "select_persistent",
-]
-
 _INT_KNOBS = ("prefetch_bucket_size", "max_reuse_distance", "max_live_parameters",
               "persistence_threshold", "model_persistence_threshold", "reduce_bucket_size",
               "fetch_unit_size")

@@ -20,8 +20,6 @@ from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import Trace, TraceBook
 
-__all__ = ["Prefetcher"]
-
 _MIN_CHUNK = 1 << 16  # prefetch gathers smaller than this (elements) merge with the next one
 
 

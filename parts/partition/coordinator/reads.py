@@ -29,8 +29,6 @@ from torch import nn
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.core.param import ParamStatus, is_stale
 
-__all__ = ["ReadGuard", "NO_DDP"]
-
 NO_DDP = "parts models need no DDP wrap"
 _DDP_ATTR = "_ddp_params_and_buffers_to_ignore"
 

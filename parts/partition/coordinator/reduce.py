@@ -26,8 +26,6 @@ from parts.partition.core.grad_guard import raw_grad, set_raw_grad
 from parts.partition.core.grads import reduce_scatter_grads
 from parts.partition.core.replicas import InFlight, pending_now, sync_replica_grads
 
-__all__ = ["GradReducer"]
-
 
 class GradReducer:
     """Buckets of complete full grads and the reduce-scatters in flight of one coordinator."""

@@ -14,8 +14,6 @@ from typing import Any
 
 from parts.comm.counter import comm_counter, ledger_since
 
-__all__ = ["CoordinatorStats", "StepCounters"]
-
 
 @dataclass
 class StepCounters:

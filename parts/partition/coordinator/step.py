@@ -8,8 +8,6 @@ from typing import Optional
 from parts.partition.coordinator.plan import StepPlan, next_use
 from parts.partition.coordinator.trace import Event
 
-__all__ = ["ModuleCall", "StepState"]
-
 
 @dataclass
 class ModuleCall:

@@ -35,8 +35,6 @@ from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import trace_digest
 from parts.partition.interop.buffers import broadcast_buffers
 
-__all__ = ["Steps"]
-
 
 class Steps:
     """The step in progress of each phase (``current``), steps begun per phase, the last stats."""

@@ -14,8 +14,6 @@ from parts.partition.coordinator.units import choose_units
 from parts.partition.core import disk
 from parts.partition.core.param import ParamMeta, meta
 
-__all__ = ["ParamTable"]
-
 
 class ParamTable:
     """The attached model's modules (by index, in ``named_modules`` order) and parameters (by stable id).
@@ -46,7 +44,7 @@ class ParamTable:
         for name, p in module.named_parameters():
             self.param_names.setdefault(meta(p).id, name)
         self.sizes: dict[int, int] = {pid: m.numel for pid, m in self.records.items()}
-        self._choose_units(min(knobs.fetch_unit_size, knobs.max_live_parameters))
+        self.unit = self._choose_units(min(knobs.fetch_unit_size, knobs.max_live_parameters))
         self._pids = {id(p): pid for pid, p in self.params.items()}
         self.any_parked = any(disk.parked_version(m.shard) is not None for m in self.records.values())
         self.persistent = select_persistent(self.sizes, knobs.persistence_threshold,
@@ -54,9 +52,10 @@ class ParamTable:
         self.persistent_ids = sorted(self.persistent)
         self.version = 0
 
-    def _choose_units(self, limit: int) -> None:
+    def _choose_units(self, limit: int) -> tuple[int, ...]:
         """Fetch units of at most ``limit`` elements (units.py): a unit root's set becomes its
-        subtree's parameters; an inner module keeps its own set for calls outside its unit."""
+        subtree's parameters; an inner module keeps its own set for calls outside its unit.
+        Returns each module's unit root."""
         parents = [-1] * len(self.modules)
         for i, sub in enumerate(self.modules):
             for child in sub.children():
@@ -66,9 +65,9 @@ class ParamTable:
         containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
         coverable = [i > 0 and not isinstance(sub, containers) for i, sub in enumerate(self.modules)]
         units = choose_units(parents, self.sets, self.sizes, limit, coverable)
-        self.unit: tuple = units.unit
         for root, ids in units.members.items():
             self.sets[root] = ids
+        return units.unit
 
     def is_unit_root(self, index: int) -> bool:
         """True if the module at ``index`` fetches a unit (else an inner module of one)."""

@@ -20,11 +20,6 @@ BACKWARD = "B"
 
 Event = tuple  # (kind: str, module_index: int)
 
-__all__ = [
-    "BACKWARD", "FORWARD", "Event", "Observation", "StepRecord", "Trace", "TraceBook",
-    "first_divergence", "phase_name", "trace_digest",
-]
-
 
 def phase_name(training: bool, grad_enabled: bool) -> str:
     """Name of the trace book a top-level forward belongs to: ``train``, ``eval``, ``*/no_grad``."""

@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["FetchUnits", "choose_units"]
-
 
 @dataclass(frozen=True)
 class FetchUnits:
