@@ -23,8 +23,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from parts.base.files import CheckpointError
 from parts.comm import dcp_files as files
 
-__all__ = ["Piece", "StoredTensor", "CheckpointIndex"]
-
 _ZIP = b"PK\x03\x04"
 
 

@@ -18,8 +18,6 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "Entry", "plan_files", "header", "SafetensorsFile", "runs"]
-
 DTYPE_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -17,8 +17,6 @@ from torch import nn
 from parts.partition import (load_sharded_optimizer_state_dict, load_sharded_state_dict,
                              sharded_optimizer_state_dict, sharded_state_dict)
 
-__all__ = ["save_sharded_model", "load_sharded_model", "save_sharded_optimizer", "load_sharded_optimizer"]
-
 
 def _dcp() -> Any:
     """``parts.comm.dcp``, imported on first use (torch.distributed.checkpoint takes seconds)."""
