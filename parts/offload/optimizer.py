@@ -51,8 +51,6 @@ from parts.offload.plan import min_budget, plan_chunks
 from parts.offload.spares import Spares
 from parts.offload.store import DiskStore
 
-__all__ = ["OffloadedOptimizer", "Snapshot"]
-
 logger = logging.getLogger("parts.offload")
 
 AHEAD_CHUNKS = 2
