@@ -33,6 +33,8 @@ def _mesh(replicas: int):
 def _layout(replicas) -> dict:
     """``partitioned`` arguments: a mesh, or ("groups") the 2 x 2 layout as two explicit groups."""
     import torch.distributed as dist
+    if replicas == "nodes":  # full sharding over 2 nodes of 2 ranks: all-gathers in two hops
+        return {"ranks_per_node": 2}
     if replicas != "groups":
         return {"mesh": _mesh(replicas)}
     rank = dist.get_rank()
@@ -60,6 +62,7 @@ def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", cli
     state on rank 0, the grad norms, and the cross-replica all-reduce bytes per group."""
     import torch.distributed as dist
     from parts.comm import comm_counter
+    from parts.comm.counter import ledger_since
     from parts.partition import attach, clip_grad_norm_, full_state_dict, partitioned, set_replica_sync, shards
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)  # every rank seeds differently: all start from rank 0's values
@@ -79,9 +82,7 @@ def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", cli
         norms.append(float(clip_grad_norm_(model, clip if clip else 1e9)))
         opt.step()
         opt.zero_grad()
-    after = comm_counter.by_group()
-    ledger = {g: after[g].get("all_reduce_bytes", 0) - before.get(g, {}).get("all_reduce_bytes", 0)
-              for g in after}
+    ledger = ledger_since(before, comm_counter.by_group())
     return full_state_dict(model, rank0_only=False), norms, ledger, coordinator.stats().bytes_by_group
 
 
@@ -145,8 +146,8 @@ def test_accumulation_all_reduces_across_replicas_once_per_step_and_equals_one_b
         assert torch.equal(last[0][0][k], deferred[0][0][k])
     assert last[0][2]["0,2"] == deferred[0][2]["0,2"]  # the same bytes across replicas
     replica_group = "0,2"  # rank 0's column of the 2 x 2 mesh
-    per_step = deferred[0][2][replica_group] / 2  # all-reduce bytes across replicas
-    assert per_step == eager[0][2][replica_group] / 2 / MICRO  # deferred: 1/MICRO of the eager bytes
+    per_step = deferred[0][2][replica_group]["all_reduce_bytes"] / 2  # across replicas
+    assert per_step == eager[0][2][replica_group]["all_reduce_bytes"] / 2 / MICRO  # 1/MICRO of eager's
     assert per_step == 4 * sum(-(-v.numel() // 2) for v in ref.values())  # each fp32 grad shard once
     step = deferred[0][3]  # stats() of the last micro-batch: gathers and reduce-scatters in the
     assert step["0,1"]["allgather_bytes"] > 0 and step["0,1"]["reduce_scatter_bytes"] > 0  # shard group
@@ -266,3 +267,12 @@ def test_init_code_under_a_hybrid_layout_gives_rank_0s_values_on_every_replica()
     for state in run(4, _reinit_state):
         assert state.keys() == plain.keys()
         assert all(torch.equal(state[k], plain[k]) for k in plain)
+
+
+def test_two_hop_all_gathers_equal_flat_ones_bitwise_and_cross_nodes_half_as_much():
+    flat = run(4, _train, None)[0]
+    hops = run(4, _train, "nodes")[0]
+    assert all(torch.equal(hops[0][k], flat[0][k]) for k in flat[0])  # only bytes moved differently
+    crossing = hops[2]["0,2"]["allgather_bytes"]  # rank 0's node is {0, 1}; {0, 2} crosses
+    assert hops[2]["0,1"]["allgather_bytes"] == 2 * crossing  # the node hop carries the rest
+    assert 3 * crossing == flat[2]["0,1,2,3"]["allgather_bytes"]  # flat: 2 of its 3 shards cross

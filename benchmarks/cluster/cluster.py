@@ -13,8 +13,8 @@ its store), gloo bound to the veth (``GLOO_SOCKET_IFNAME``). No traffic goes any
 the namespaces have no other interface but their loopback. The namespaces are deleted at
 the end, whatever happened.
 
-For each system (DDP, FSDP2 full shard, FSDP2 HSDP 2 x 2, parts full shard, parts hybrid
-2 x 2) on the 25M GPT of bench_zero3.py (fp32, AdamW, the same batches): the median step
+For each system (DDP, FSDP2 full shard, FSDP2 HSDP 2 x 2, parts full shard, parts full shard
+with two-hop all-gathers (``ranks_per_node``), parts hybrid 2 x 2) on the 25M GPT of bench_zero3.py (fp32, AdamW, the same batches): the median step
 time, peak RSS, the final loss, the bytes that crossed the link (the veth's own counters in
 node 0, each direction, for the whole run: setup and steps) and, for parts, the bytes its
 ledger counted per group. Results go to ``benchmarks/results/bench_cluster.jsonl``.
@@ -38,7 +38,7 @@ from record import record  # noqa: E402
 NODES = ("parts-node0", "parts-node1")
 VETH = ("parts-veth0", "parts-veth1")
 ADDRS = ("198.18.0.1", "198.18.0.2")
-SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "parts", "parts_hybrid")
+SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "parts", "parts_topo", "parts_hybrid")
 
 
 def _sh(*cmd: str, ns: str = "") -> str:

@@ -55,8 +55,17 @@ def build_parts_hybrid(config):
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
 
+def build_parts_topo(config):
+    """parts full sharding whose all-gathers know the nodes (two hops, ``ranks_per_node``)."""
+    from parts.partition import attach, partitioned, shards
+    with partitioned(ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"])):
+        model = GPT(config)
+    coordinator = attach(model, persistence_threshold=0)
+    return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
+
+
 BUILDERS = {"ddp": z.build_ddp, "fsdp2": z.build_fsdp2, "fsdp2_hsdp": build_fsdp2_hsdp,
-            "parts": z.build_parts, "parts_hybrid": build_parts_hybrid}
+            "parts": z.build_parts, "parts_topo": build_parts_topo, "parts_hybrid": build_parts_hybrid}
 
 
 def main() -> None:

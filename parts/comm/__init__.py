@@ -20,6 +20,7 @@ from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size, hybrid_groups,
                               global_rank, group_info, is_distributed, is_member, require_distributed,
                               resolve_group)
+from parts.comm.topology import Topology
 from parts.comm.work import Waitable, Work, WorkList
 
 __all__ = [
@@ -29,5 +30,5 @@ __all__ = [
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
     "all_reduce", "all_reduce_async", "min_max", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
     "new_group", "comm_device", "group_key", "all_gather_direct", "reduce_scatter_consuming",
-    "Waitable", "Work", "WorkList", "agree", "RankDisagreement", "fake_world",
+    "Waitable", "Work", "WorkList", "Topology", "agree", "RankDisagreement", "fake_world",
 ]

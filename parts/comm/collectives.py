@@ -18,6 +18,7 @@ from parts.comm.counter import comm_counter, wire_bytes
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming, sums_on_receipt
 from parts.comm.group import GroupArg, GroupInfo, group_info, is_distributed
 from parts.comm.packed import FinishAfter, PackedAllGather, PackedReduceScatter, split_small
+from parts.comm.topology import two_hop_all_gather
 from parts.comm.work import Waitable, Work, WorkList, finish
 
 ReduceOp = dist.ReduceOp
@@ -73,9 +74,34 @@ def _packing(collective: Callable, packer: type, outs: Sequence[torch.Tensor],
 def all_gather_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
                     async_op: bool = False) -> Optional[Waitable]:
     """All-gather every ``ins[k]`` into ``outs[k]``, counted as one call: large ones straight
-    into ``outs[k]``, small ones packed into one flat collective (``parts.comm.packed``)."""
+    into ``outs[k]``, small ones packed into one flat collective (``parts.comm.packed``); over
+    a group with a topology, in two hops (``parts.comm.topology``)."""
+    if info.topology is not None and info.world_size > 1:
+        return finish(WorkList([_two_hop_many(outs, ins, info, dtype)
+                                for dtype in dict.fromkeys(i.dtype for i in ins)]), async_op)
     _count("allgather", wire_bytes(sum(_nbytes(i) for i in ins), info.world_size), info)
     return _packing(all_gather_direct, PackedAllGather, outs, ins, ins, info, async_op)
+
+
+def _hop(out: torch.Tensor, inp: torch.Tensor, sub: GroupInfo, async_op: bool) -> Optional[Waitable]:
+    _count("allgather", wire_bytes(_nbytes(inp), sub.world_size), sub)
+    return _run_many(all_gather_direct, [out], [inp], sub, async_op)
+
+
+def _two_hop_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
+                  dtype: torch.dtype) -> Waitable:
+    """The pairs of ``dtype`` packed into one two-hop all-gather; ``wait()`` unpacks them."""
+    pairs = [(o, i) for o, i in zip(outs, ins) if i.dtype == dtype]
+    sizes = [i.numel() for _, i in pairs]
+    send = torch.cat([i.reshape(-1) for _, i in pairs])
+    recv = torch.empty(info.world_size * send.numel(), dtype=dtype, device=send.device)
+    hops = two_hop_all_gather(recv, send, info.topology, _hop, True)
+
+    def unpack() -> None:
+        rows = recv.view(info.world_size, -1)
+        torch.split_with_sizes_copy(rows, sizes, dim=1, out=[o.view(info.world_size, -1) for o, _ in pairs])
+
+    return FinishAfter(hops, unpack)
 
 
 def reduce_scatter_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,

@@ -91,6 +91,7 @@ class GroupInfo:
     group: GroupArg = WeakGroup()
     rank: int = 0
     world_size: int = 1
+    topology: Optional[object] = None  # a parts.comm.topology.Topology: all-gathers in two hops
 
     def global_rank(self, group_rank: int) -> int:
         """Global rank of ``group_rank`` in this group (for ``src``/``dst`` arguments)."""

@@ -34,6 +34,7 @@ module, if one is not gathered (fetch hooks of a coordinator must use ``prepend=
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional
 
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from parts.partition.construction import intercept as _intercept
-from parts.comm import GroupArg, GroupInfo, broadcast, hybrid_groups
+from parts.comm import GroupArg, GroupInfo, Topology, broadcast, hybrid_groups
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
@@ -305,14 +306,17 @@ class partitioned:
 
     A hybrid layout: ``replicate_group`` (or ``mesh``, a 2-D ``DeviceMesh`` with dims
     (replicate, shard) as FSDP2 takes it) keeps the shards on ``group`` and one copy of them
-    on every member of ``replicate_group``; grad shards are averaged across it."""
+    on every member of ``replicate_group``; grad shards are averaged across it.
+    ``ranks_per_node``: the shard group spans nodes of that many ranks (node after node); its
+    all-gathers then cross between nodes once per byte (``parts.comm.topology``)."""
 
     def __init__(self, group: GroupArg = None, *, dtype: Optional[torch.dtype] = None,
                  device: Any = None, remote_device: Any = None, pin_memory: bool = False,
-                 enabled: bool = True, replicate_group: GroupArg = None, mesh: Any = None) -> None:
+                 enabled: bool = True, replicate_group: GroupArg = None, mesh: Any = None,
+                 ranks_per_node: Optional[int] = None) -> None:
         self.enabled = enabled
         self._args = (group, dtype, device, remote_device, pin_memory)
-        self._hybrid = (replicate_group, mesh)
+        self._hybrid = (replicate_group, mesh, ranks_per_node)
         self._pushed = False
         self._meta_device: Optional[torch.device] = None  # entered while building on meta
 
@@ -343,21 +347,26 @@ class partitioned:
             _uninstall(exc_type is None)
 
 
-def _spec(group: GroupArg, replicate_group: GroupArg, mesh: Any, *args: Any) -> ShardSpec:
+def _spec(group: GroupArg, replicate_group: GroupArg, mesh: Any, ranks_per_node: Optional[int],
+          *args: Any) -> ShardSpec:
     """The ``ShardSpec`` of a call: shards over ``group`` (or the mesh's shard dim), replicated
-    over ``replicate_group`` (or the mesh's replicate dim) when there is one."""
+    over ``replicate_group`` (or the mesh's replicate dim) when there is one; all-gathers in two
+    hops with ``ranks_per_node``."""
     info, replica = hybrid_groups(group, replicate_group, mesh, "parts.partition")
+    if ranks_per_node is not None and info.world_size > 1:
+        info = dataclasses.replace(info, topology=Topology.build(info, ranks_per_node))
     return ShardSpec(info, *args, replica=replica)
 
 
 @internal
 def partition_module(module: nn.Module, group: GroupArg = None, *, dtype: Optional[torch.dtype] = None,
                      device: Any = None, remote_device: Any = None, pin_memory: bool = False,
-                     replicate_group: GroupArg = None, mesh: Any = None) -> nn.Module:
+                     replicate_group: GroupArg = None, mesh: Any = None,
+                     ranks_per_node: Optional[int] = None) -> nn.Module:
     """Shard an existing module's parameters in place (rank 0's values); returns ``module``.
-    ``replicate_group``/``mesh``: a hybrid layout, as for ``partitioned``."""
+    ``replicate_group``/``mesh``/``ranks_per_node``: as for ``partitioned``."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"partition_module: expected an nn.Module, got {type(module).__name__}")
-    spec = _spec(group, replicate_group, mesh, dtype, device, remote_device, pin_memory)
+    spec = _spec(group, replicate_group, mesh, ranks_per_node, dtype, device, remote_device, pin_memory)
     _adopt(module, spec)
     return module
