@@ -255,3 +255,30 @@ def test_keep_plan_leaves_room_for_the_largest_streamed_unit():
         assert 5 not in kept and sum(sizes[p] for p in kept) + streamed <= max(budget, streamed)
     assert keep_plan(sizes, units, frozenset({5}), 135) == frozenset({0})  # 100 kept + 35 streamed
     assert keep_plan(sizes, units, frozenset({5}), 99) == frozenset()
+
+
+def _hybrid_case() -> dict:
+    """2 replicas x 2 shards (a DeviceMesh, as FSDP2 takes it): both ways equal the plain model."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from parts.partition import attach, full_state_dict, generating, partitioned
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    with partitioned(mesh=mesh):
+        model = _gpt2().eval()
+    attach(model, persistence_threshold=0, fetch_unit_size=0)
+    plain = _gpt2().eval()
+    plain.load_state_dict(full_state_dict(model, rank0_only=False))
+    prompt = _prompt(dist.get_rank(), length=3 + dist.get_rank())
+    budget = sum(p.numel() * 4 for p in plain.parameters()) // 2
+    got = {}
+    for limit in (None, budget):
+        with generating(model, memory_budget=limit) as mode:
+            got[mode] = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    ref = plain.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    return dict(modes=sorted(got), same=all(torch.equal(t, ref) for t in got.values()))
+
+
+def test_generate_on_a_hybrid_layout_equals_the_unsharded_model():
+    for out in run(4, _hybrid_case, timeout=120):
+        assert out["modes"] == ["gathered", "streamed"] and out["same"]
