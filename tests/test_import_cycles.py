@@ -159,6 +159,18 @@ def test_base_uses_no_part() -> None:
     assert not bad, bad
 
 
+PUBLIC_MODULES = {"parts.io", "parts.integrations.transformers", "parts.integrations.accelerate"}
+
+
+def test_only_public_surfaces_carry___all__() -> None:
+    """``__all__`` names a public surface: a package's ``__init__`` or a module users import by
+    name (``parts.io``, the integrations); a private module has none."""
+    bad = [m for m, path in MODULES.items() if path.name != "__init__.py" and m not in PUBLIC_MODULES
+           and any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                   for node in ast.parse(path.read_text()).body)]
+    assert not bad, bad
+
+
 def test_nothing_in_parts_imports_integrations() -> None:
     """Integrations sit above the parts: only parts.integrations itself imports it (an
     import-linter contract cannot name the package before it exists, so it is checked here)."""

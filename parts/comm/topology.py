@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from parts.comm.group import GroupInfo, group_info
-from parts.comm.work import Waitable, Work
+from parts.comm.work import Waitable
 
 
 @dataclass(frozen=True)
@@ -96,4 +96,3 @@ def two_hop_all_gather(out: torch.Tensor, inp: torch.Tensor, topo: Topology, gat
     return None
 
 
-__all__ = ["Topology", "TwoHop", "two_hop_all_gather", "Work"]
