@@ -109,13 +109,44 @@ def reduce_scatter_many(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor
     """Sum (or with ``average`` mean) every ``ins[k]`` over ranks, this rank's chunk into
     ``outs[k]``; counted as one call, small ones packed into one flat collective.
     ``ins`` may be overwritten, and narrower than ``outs`` (the sums run in ``outs``' dtype;
-    on gloo the chunks travel narrow: see ``parts.comm.gloo``)."""
+    on gloo the chunks travel narrow: see ``parts.comm.gloo``). Over a group with a topology,
+    in two hops (within the node, then across: each piece crosses between nodes once)."""
+    if info.topology is not None and info.world_size > 1:
+        kinds = dict.fromkeys((i.dtype, o.dtype) for o, i in zip(outs, ins))
+        return finish(WorkList([_two_hop_reduce(outs, ins, info, kind, average) for kind in kinds]), async_op)
     narrow = info.world_size > 1 and sums_on_receipt(dist.ReduceOp.SUM, info.group)
     chunk_bytes = sum(o.numel() * (i if narrow else o).element_size() for o, i in zip(outs, ins))
     _count("reduce_scatter", wire_bytes(chunk_bytes, info.world_size), info)
     divide_by = info.world_size if average else 1
     collective = partial(reduce_scatter_consuming, op=dist.ReduceOp.SUM, divide_by=divide_by)
     return _packing(collective, PackedReduceScatter, outs, ins, outs, info, async_op)
+
+
+def _two_hop_reduce(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
+                    kind: tuple, average: bool) -> Waitable:
+    """The pairs of ``kind`` (input and output dtype) as one two-hop reduce-scatter: the pieces
+    laid out by local rank, reduce-scattered within the node (every local rank then holds its
+    pieces of every node, summed over the node), then across nodes; ``wait()`` unpacks."""
+    topo = info.topology
+    pairs = [(o, i) for o, i in zip(outs, ins) if (i.dtype, o.dtype) == kind]
+    sizes = [o.numel() for o, _ in pairs]
+    total = sum(sizes)
+    by_local = torch.empty(topo.per_node * topo.nodes * total, dtype=kind[0], device=pairs[0][1].device)
+    view, off = by_local.view(topo.per_node, topo.nodes, total), 0
+    for (o, i), n in zip(pairs, sizes):  # group rank node * per_node + local -> [local, node]
+        view[:, :, off:off + n].copy_(i.reshape(topo.nodes, topo.per_node, n).transpose(0, 1))
+        off += n
+    node_sums = torch.empty(topo.nodes * total, dtype=kind[1], device=by_local.device)
+    first = reduce_scatter_many([node_sums], [by_local], topo.node, async_op=True)
+
+    def across() -> None:
+        mine = torch.empty(total, dtype=kind[1], device=by_local.device)
+        reduce_scatter_many([mine], [node_sums], topo.across)
+        if average:
+            mine.div_(info.world_size)
+        torch.split_with_sizes_copy(mine, sizes, out=[o.view(-1) for o, _ in pairs])
+
+    return FinishAfter(first, across)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, info: GroupInfo, *, direct: bool = False) -> None:
