@@ -29,19 +29,19 @@ import torch
 from torch import nn
 
 from parts.partition.construction.construct import drop_forward_check, restore_forward_check
+from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
 
 
-def _coordinator_of(model: nn.Module) -> Any:
+def _coordinator_of(model: nn.Module) -> FetchCoordinator:
     """The ``FetchCoordinator`` attached to ``model``; a clear error if there is none."""
-    from parts.partition.coordinator.coordinator import _attached
-    coordinator = _attached.get(model)
+    coordinator = attached_to(model)
     if coordinator is None or coordinator._root is None:
         raise RuntimeError(f"compile_blocks: {type(model).__name__} has no attached FetchCoordinator; "
                            "call parts.partition.attach(model) first, then compile_blocks")
     return coordinator
 
 
-def fuse(coordinator: Any, block: nn.Module) -> None:
+def fuse(coordinator: FetchCoordinator, block: nn.Module) -> None:
     """Make ``block`` fetch its whole subtree's parameters itself; its submodules lose their hooks."""
     table = coordinator.table
     unit = table.index.get(id(block))
