@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 import weakref
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -44,21 +44,13 @@ from parts.partition.core.grad_guard import raw_grad
 from parts.partition.construction.construct import drop_forward_check, restore_forward_check
 from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
-from parts.partition.coordinator.abort import BackwardWatch
+from parts.partition.coordinator.attached import Attached, Through
 from parts.partition.coordinator.checks import check_group, check_sharded
-from parts.partition.coordinator.debug import StepCheck
-from parts.partition.coordinator.flat import FlatGather, FlatReduce
-from parts.partition.coordinator.frozen import FrozenRelease
-from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, RunningUnits, eager,
+from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, eager,
                                                register_pre_backward)
-from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.plan import Knobs
-from parts.partition.coordinator.prefetch import Prefetcher
-from parts.partition.coordinator.reduce import GradReducer
-from parts.partition.coordinator.stats import CoordinatorStats, StepCounters
+from parts.partition.coordinator.stats import CoordinatorStats
 from parts.partition.coordinator.step import ModuleCall, StepState
-from parts.partition.coordinator.steps import Steps
-from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name
 from parts.partition.core import points
 from parts.partition.core.param import is_partitioned, meta
@@ -67,60 +59,6 @@ from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
 _attached = AttachedLookup()
 """Which coordinator hooks a module: a weak lookup for the module-level ``detach(module)`` and
 ``register_external_parameter(module, p)``; it configures nothing and forgets dead modules."""
-
-
-class _Attached:
-    """What an attached coordinator holds: its named pieces (each holding its own state) and the
-    hooks' lifecycle. Built whole by ``attach``, dropped whole by ``detach``."""
-
-    def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg,
-                 precision: Optional[MixedPrecision], sync_buffers: bool,
-                 undo_precision: Optional[Callable[[], None]], backward_step: Callable,
-                 drop_aborted: Callable[[], None]) -> None:
-        self.root = module
-        self._undo_precision = undo_precision
-        self.counters = StepCounters()
-        self.table = ParamTable(module, knobs)
-        self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group),
-                               self.table.param_names)
-        self.live = LiveSet(self.table, knobs, group, self.counters)
-        self.prefetcher = Prefetcher(self.table, self.live, knobs, self.check, self.counters)
-        reduce_dtype = precision.reduce_dtype if precision else torch.float32
-        self.flat = FlatGather(self.table)
-        self.flat_grads = FlatReduce(self.flat, reduce_dtype)
-        self.reducer = GradReducer(self.table, knobs, group, self.check, self.counters, reduce_dtype,
-                                   self.flat_grads)
-        self.steps = Steps(module, self.table, self.live, self.prefetcher, self.check, self.counters,
-                           sync_buffers, self.flat)
-        self.flat_ids = frozenset(self.flat.pids)
-        self.frozen = FrozenRelease(self.table, self.live, backward_step)
-        self.watch = BackwardWatch(self.table, self.live, self.reducer, self.steps, drop_aborted)
-        self._checker: Optional[weakref.WeakMethod] = None  # debug: the step check's hook (points.py)
-        self._hooks: dict[int, ModuleHooks] = {}
-        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._unhooked = list(self.table.params.values())  # params without a grad hook (yet)
-        self._stack: list[ModuleCall] = []
-        self._bwd_phase: Optional[str] = None
-        self._bwd_creates_graph = False
-        self._units: dict[int, int] = {}  # submodule index -> its fused block's (compiled.py)
-        self._running = RunningUnits()  # which unit's own parameter reads are not external
-
-
-class _Through:
-    """A coordinator attribute that lives on its ``_Attached`` state: there only while attached."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
-        if obj is None:
-            return self
-        if obj._state is None:
-            raise AttributeError(f"FetchCoordinator.{self.name}: the coordinator is not attached")
-        return getattr(obj._state, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj._state, self.name, value)
 
 
 class FetchCoordinator:
@@ -141,7 +79,7 @@ class FetchCoordinator:
     group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
     (table, live, prefetcher, reducer, check, counters, steps, flat_grads, flat_ids, frozen, watch,
      _undo_precision, _checker, _hooks, _grad_hooks, _unhooked, _stack, _bwd_phase, _bwd_creates_graph,
-     _units, _running) = (_Through() for _ in range(21))  # the attached state (_Attached), read through
+     _units, _running) = (Through() for _ in range(21))  # the attached state (attached.py), read through
 
     def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
                  max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,
@@ -157,7 +95,7 @@ class FetchCoordinator:
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
                            reduce_bucket_size, cache_freed_storage, fetch_unit_size)
-        self._state: Optional[_Attached] = None  # while attached
+        self._state: Optional[Attached] = None  # while attached
         self._last: Optional[CoordinatorStats] = None  # the stats of a detached coordinator's last step
 
     @property
@@ -177,8 +115,8 @@ class FetchCoordinator:
         if self.mixed_precision is not None:  # compute dtypes on the records: gathers and grads cast
             undo = apply_mixed_precision(module, self.mixed_precision)
         drop_aborted = weak_method(self._drop_aborted_backward)
-        self._state = _Attached(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers,
-                                undo, weak_method(self._backward_step), drop_aborted)
+        self._state = Attached(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers,
+                               undo, weak_method(self._backward_step), drop_aborted)
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
                 self._hook(index)
