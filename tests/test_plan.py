@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from parts.partition.coordinator.plan import Knobs
 from parts.plan import Widths, dry_run, estimate, measure, shape_of
 
 _BYTES = ("param_bytes", "grad_bytes", "optimizer_bytes", "persistent_bytes", "gathered_peak_bytes",
-          "allgather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "params", "world_size")
+          "allgather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "params", "world_size", "shard_size")
 
 
 class Block(nn.Module):
@@ -78,15 +79,21 @@ knob_sets = st.fixed_dictionaries({
 })
 
 
+layouts = st.sampled_from([(1, None), (2, None), (3, None), (8, None), (64, None), (1024, None),
+                           (4, 2), (8, 4), (8, 1), (64, 8), (1024, 8)])  # (world, shard size of a hybrid)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(vocab=st.integers(5, 60), width=st.integers(1, 24), hiddens=st.lists(st.integers(1, 40), max_size=3),
-       world=st.sampled_from([1, 2, 3, 8, 64, 1024]), knobs=knob_sets)
-def test_estimate_equals_dry_run(vocab: int, width: int, hiddens: list, world: int, knobs: dict) -> None:
-    build = _builder(vocab, width, tuple(hiddens))
-    with torch.device("meta"):
+       layout=layouts, knobs=knob_sets)
+def test_estimate_equals_dry_run(vocab: int, width: int, hiddens: list, layout: tuple, knobs: dict) -> None:
+    from parts.partition import partitioned
+
+    build, (world, shard_size) = _builder(vocab, width, tuple(hiddens)), layout
+    with partitioned(device="meta"):  # one rank, no process group: ids in creation order
         shape = shape_of(build())
-    expected = _fields(dry_run(build, world, step=_step, **knobs))
-    assert _fields(estimate(shape, world, Knobs(**knobs))) == expected
+    expected = _fields(dry_run(build, world, step=_step, shard_size=shard_size, **knobs))
+    assert _fields(estimate(shape, world, Knobs(**knobs), shard_size=shard_size)) == expected
 
 
 def test_estimate_equals_dry_run_hf_llama_and_tied_gpt2() -> None:
@@ -154,11 +161,13 @@ def test_attach_of_a_meta_model_names_partitioned_meta() -> None:
         attach(model)
 
 
-def _measure_real(vocab: int, width: int, hiddens: tuple, knobs: dict) -> dict:
+def _measure_real(vocab: int, width: int, hiddens: tuple, knobs: dict, shard_size: Optional[int] = None) -> dict:
+    from parts.comm import block_layout
     from parts.partition import attach, partitioned
 
     torch.manual_seed(0)
-    with partitioned():
+    groups = dict(zip(("group", "replicate_group"), block_layout(shard_size))) if shard_size else {}
+    with partitioned(**groups):
         model = Net(vocab, width, hiddens)
     coordinator = attach(model, **knobs)
     try:
@@ -174,6 +183,13 @@ def test_dry_run_equals_a_real_run(world: int) -> None:
         real = run(world, _measure_real, 50, 24, (40, 33), knobs)
         assert all(r == real[0] for r in real)
         assert real[0] == _fields(dry_run(_builder(50, 24, (40, 33)), world, step=_step, **knobs))
+
+
+def test_hybrid_dry_run_equals_a_real_2x2_run() -> None:
+    knobs = {"persistence_threshold": 500}
+    real = run(4, _measure_real, 50, 24, (40, 33), knobs, 2)
+    assert all(r == real[0] for r in real) and real[0]["all_reduce_bytes"] > 0
+    assert real[0] == _fields(dry_run(_builder(50, 24, (40, 33)), 4, step=_step, shard_size=2, **knobs))
 
 
 def _meta_and_real_records() -> tuple:

@@ -14,7 +14,7 @@ from parts.comm.collectives import (ReduceOp, all_reduce_async, group_key, all_g
                                     reduce_scatter, reduce_scatter_many)
 from parts.comm.agree import RankDisagreement, agree
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
-from parts.comm.fake import fake_world
+from parts.comm.fake import block_layout, fake_world
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size, hybrid_groups,
@@ -30,5 +30,5 @@ __all__ = [
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
     "all_reduce", "all_reduce_async", "min_max", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
     "new_group", "comm_device", "group_key", "all_gather_direct", "reduce_scatter_consuming",
-    "Waitable", "Work", "WorkList", "Topology", "agree", "RankDisagreement", "fake_world",
+    "Waitable", "Work", "WorkList", "Topology", "agree", "RankDisagreement", "fake_world", "block_layout",
 ]

@@ -31,3 +31,22 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def block_layout(shard_size: int) -> tuple:
+    """``(shard_group, replica_group)`` of this rank in the (replicate, shard) layout of the world:
+    shard groups are blocks of ``shard_size`` consecutive ranks (a node's ranks, as torchrun
+    numbers them), replica groups take one rank of each block. Every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"block_layout: shard_size {shard_size} does not divide the world size {world}")
+    mine = {}
+    for start in range(0, world, shard_size):  # every group in the same order on every rank
+        group = dist.new_group(list(range(start, start + shard_size)))
+        if start <= rank < start + shard_size:
+            mine["shard"] = group
+    for offset in range(shard_size):
+        group = dist.new_group(list(range(offset, world, shard_size)))
+        if rank % shard_size == offset:
+            mine["replica"] = group
+    return mine["shard"], mine["replica"]

@@ -11,8 +11,8 @@ config.
 
 from parts.plan.dry_run import adamw, dry_run, measure, token_step
 from parts.plan.estimate import Widths, estimate
-from parts.plan.layout_bytes import Plan, Reference, link_split
+from parts.plan.layout_bytes import Plan, Reference, link_split, peers
 from parts.plan.shapes import ModelShape, shape_of
 
 __all__ = ["Plan", "Reference", "ModelShape", "Widths", "dry_run", "estimate", "measure", "shape_of",
-           "link_split", "token_step", "adamw"]
+           "link_split", "peers", "token_step", "adamw"]

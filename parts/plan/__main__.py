@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--model", help="module:function that builds the model")
     parser.add_argument("--world-size", type=int, required=True, help="ranks")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks sharing a node (fast link)")
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="hybrid layout: shard within this many ranks, replicate across (default: the world)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
                         help="fp32: fp32 params, grads and AdamW; bf16-mixed: MixedPrecision() (bf16 gathers)")
     parser.add_argument("--memory-per-device", type=float, default=None, help="GiB each rank may use")
@@ -52,12 +54,13 @@ def _knobs(args: argparse.Namespace) -> Knobs:
 
 def _plan(args: argparse.Namespace, build, knobs: Knobs) -> Plan:
     if not args.dry_run:
-        return estimate(shape_of(on_meta(build)), args.world_size, knobs, _DTYPES[args.dtype])
+        return estimate(shape_of(on_meta(build)), args.world_size, knobs, _DTYPES[args.dtype],
+                        shard_size=args.shard_size)
     from parts.partition import MixedPrecision
     from parts.plan.dry_run import dry_run
 
     precision = MixedPrecision() if args.dtype == "bf16-mixed" else None
-    return dry_run(build, args.world_size, mixed_precision=precision, **vars(knobs))
+    return dry_run(build, args.world_size, mixed_precision=precision, shard_size=args.shard_size, **vars(knobs))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

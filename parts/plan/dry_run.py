@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from parts.comm import comm_counter, fake_world
+from parts.comm import block_layout, comm_counter, fake_world
 from parts.partition import FetchCoordinator, attach, meta, partitioned, shards
 from parts.partition import ParamStatus
 from parts.plan.layout_bytes import Plan
@@ -80,7 +80,10 @@ def measure(model: nn.Module, coordinator: FetchCoordinator, *, step: Optional[S
         opt.zero_grad(set_to_none=True)
     sent = {k: comm_counter.snapshot()[k] - before[k] for k in before}
     params = _unique(model)
-    return Plan(world_size=meta(params[0]).world_size, params=sum(meta(p).numel for p in params),
+    first = meta(params[0])
+    replicas = first.replica.world_size if getattr(first, "replica", None) is not None else 1
+    return Plan(world_size=first.world_size * replicas, params=sum(meta(p).numel for p in params),
+                shard_size=first.world_size,
                 **_memory(model, opt, grads), gathered_peak_bytes=_gathered_peak(model, coordinator),
                 allgather_bytes=sent["allgather_bytes"], reduce_scatter_bytes=sent["reduce_scatter_bytes"],
                 all_reduce_bytes=sent["all_reduce_bytes"], allgather_calls=sent["allgather_calls"],
@@ -88,11 +91,16 @@ def measure(model: nn.Module, coordinator: FetchCoordinator, *, step: Optional[S
 
 
 def dry_run(build: Callable[[], nn.Module], world_size: int, *, step: Optional[StepFn] = None,
-            steps: int = 2, optimizer: OptimizerFn = adamw, rank: int = 0, **attach_knobs: Any) -> Plan:
+            steps: int = 2, optimizer: OptimizerFn = adamw, rank: int = 0, shard_size: Optional[int] = None,
+            **attach_knobs: Any) -> Plan:
     """Build ``build()`` on the meta device as ``rank`` of a fake ``world_size``-rank world, attach it
-    with ``attach_knobs``, run ``steps`` steps and return the plan: no data, no hardware."""
+    with ``attach_knobs``, run ``steps`` steps and return the plan: no data, no hardware.
+    ``shard_size``: a hybrid layout, sharded within blocks of that many ranks, replicated across."""
     with fake_world(world_size, rank):
-        with partitioned(device="meta"):
+        groups = {}
+        if shard_size is not None and shard_size != world_size:
+            groups = dict(zip(("group", "replicate_group"), block_layout(shard_size)))
+        with partitioned(device="meta", **groups):
             model = build()
         coordinator = attach(model, **attach_knobs)
         try:

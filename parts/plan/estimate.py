@@ -183,17 +183,40 @@ def _backward(state: _Live, plan: object, backward: list, start: int, sets: list
                 state.settle([pid], plan, position)
 
 
+REPLICA_BUCKET_NUMEL = 25_000_000  # parts.partition.core.replicas.BUCKET_NUMEL
+
+
+def replica_all_reduce_bytes(shard_numels: list[int], replicas: int, width: int,
+                             bucket_numel: int = REPLICA_BUCKET_NUMEL) -> int:
+    """Bytes of the cross-replica mean of a hybrid layout's grad shards (id order, buckets of at
+    most ``bucket_numel`` elements, each all-reduce counted ``2 (r - 1) / r`` of its bytes)."""
+    if replicas <= 1:
+        return 0
+    total, run = 0, 0
+    for n in shard_numels + [None]:
+        if n is None or (run and run + n > bucket_numel):
+            total += 2 * (replicas - 1) * run * width // replicas
+            run = 0
+        if n is not None:
+            run += n
+    return total
+
+
 def estimate(shape: ModelShape, world_size: int, knobs: Optional[Knobs] = None,
-             widths: Optional[Widths] = None) -> Plan:
+             widths: Optional[Widths] = None, *, shard_size: Optional[int] = None) -> Plan:
     """The plan of ``shape`` over ``world_size`` ranks with the coordinator ``knobs``: model
-    states from the shard layouts, traffic and the gathered peak from a replayed step."""
+    states from the shard layouts, traffic and the gathered peak from a replayed step.
+    ``shard_size``: a hybrid layout sharded within groups of that many ranks and replicated
+    across ``world_size / shard_size`` of them (grads averaged once per step); default: full sharding."""
     knobs, widths = knobs or Knobs(), widths or Widths()
-    layouts = {pid: ShardLayout(n, world_size) for pid, n in shape.sizes.items()}
-    shard = {pid: lay.shard_numel for pid, lay in layouts.items()}
-    cost = {pid: (world_size - 1) * s * widths.compute for pid, s in shard.items()}
+    k = shard_size or world_size
+    if world_size % k:
+        raise ValueError(f"estimate: shard_size {k} does not divide world_size {world_size}")
+    shard = {pid: ShardLayout(n, k).shard_numel for pid, n in shape.sizes.items()}
+    cost = {pid: (k - 1) * s * widths.compute for pid, s in shard.items()}
     persistent = select_persistent(shape.sizes, knobs.persistence_threshold, knobs.model_persistence_threshold)
     state = _step(shape, knobs, cost, persistent)
-    trained = [pid for pid in shape.sizes if pid in shape.trainable]
+    trained = sorted(pid for pid in shape.sizes if pid in shape.trainable)
     return Plan(world_size=world_size, params=shape.params,
                 param_bytes=sum(shard.values()) * widths.param,
                 grad_bytes=sum(shard[pid] for pid in trained) * widths.reduce,
@@ -201,5 +224,7 @@ def estimate(shape: ModelShape, world_size: int, knobs: Optional[Knobs] = None,
                 persistent_bytes=sum(shape.sizes[pid] for pid in persistent) * widths.compute,
                 gathered_peak_bytes=state.high * widths.compute,
                 allgather_bytes=state.gathered,
-                reduce_scatter_bytes=sum((world_size - 1) * shard[pid] * widths.reduce for pid in trained),
-                all_reduce_bytes=0)
+                reduce_scatter_bytes=sum((k - 1) * shard[pid] * widths.reduce for pid in trained),
+                all_reduce_bytes=replica_all_reduce_bytes([shard[pid] for pid in trained], world_size // k,
+                                                          widths.reduce),
+                shard_size=k)

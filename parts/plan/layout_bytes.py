@@ -23,7 +23,8 @@ class Plan:
     copies of small parameters kept gathered. ``gathered_peak_bytes``: most full parameters
     gathered at once besides those. ``allgather_bytes`` / ``reduce_scatter_bytes`` /
     ``all_reduce_bytes``: what this rank receives (all-gather) or sends (reduce-scatter) per
-    step, by ``parts.comm.counter``'s convention. Collective counts come from runs only (they
+    step, by ``parts.comm.counter``'s convention; in a hybrid layout (``shard_size`` ranks per
+    shard group) the all-reduce is the cross-replica mean of the grad shards. Collective counts come from runs only (they
     depend on prefetch chunking) and take no part in comparing two plans.
     """
 
@@ -37,6 +38,7 @@ class Plan:
     allgather_bytes: int
     reduce_scatter_bytes: int
     all_reduce_bytes: int
+    shard_size: Optional[int] = None  # ranks a parameter is sharded over (None: the whole world)
     allgather_calls: Optional[int] = field(default=None, compare=False)  # runs only: None from estimate
     reduce_scatter_calls: Optional[int] = field(default=None, compare=False)
 
@@ -61,13 +63,25 @@ class Plan:
                 "peak_bytes": self.peak_bytes, "step_bytes": self.step_bytes}
 
 
-def link_split(nbytes: int, world_size: int, ranks_per_node: int) -> tuple[int, int]:
-    """``(inside, between)`` nodes of ``nbytes`` an all-gather or reduce-scatter moves, one equal
-    chunk per peer (parts' direct exchange): ``k - 1`` of the ``w - 1`` peers share the node."""
-    if world_size <= 1:
+def peers(world_size: int, shard_size: int, ranks_per_node: int, replicas: bool) -> tuple[int, int]:
+    """``(inside, between)``: a rank's peers in its shard group (or, with ``replicas``, its replica
+    group) on its own node and on other nodes. Ranks are numbered node by node (as torchrun does);
+    shard groups are blocks of ``shard_size`` consecutive ranks, replica groups one rank per block."""
+    k = max(1, ranks_per_node)
+    if replicas:
+        members = world_size // shard_size
+        same_node = max(1, k // shard_size) if shard_size < k else 1
+    else:
+        members, same_node = shard_size, min(shard_size, k)
+    return same_node - 1, members - same_node
+
+
+def link_split(nbytes: int, inside_peers: int, between_peers: int) -> tuple[int, int]:
+    """``(inside, between)`` nodes of ``nbytes`` a collective moves, one equal part per peer."""
+    total = inside_peers + between_peers
+    if total == 0:
         return 0, 0
-    k = max(1, min(ranks_per_node, world_size))
-    inside = nbytes * (k - 1) // (world_size - 1)
+    inside = nbytes * inside_peers // total
     return inside, nbytes - inside
 
 

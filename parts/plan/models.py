@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import torch
 from torch import nn
 
 
@@ -37,6 +36,9 @@ def function_builder(spec: str) -> Callable[[], nn.Module]:
 
 
 def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
-    """``build()`` with every tensor on the meta device: shapes only, no memory, no init cost."""
-    with torch.device("meta"):
+    """``build()`` sharded on the meta device over one rank: shapes and the parameter ids a real
+    build gives (creation order), no memory, no init cost, no process group."""
+    from parts.partition import partitioned
+
+    with partitioned(device="meta"):
         return build()

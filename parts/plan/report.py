@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional, TextIO
 
 from parts.plan.estimate import Widths
-from parts.plan.layout_bytes import GIB, Plan, Reference, link_split
+from parts.plan.layout_bytes import GIB, Plan, Reference, link_split, peers
 from parts.plan.shapes import ModelShape
 
 
@@ -31,11 +31,14 @@ def memory_rows(plan: Plan) -> list[tuple[str, int, int, int]]:
 
 def traffic_rows(plan: Plan, ranks_per_node: int) -> list[tuple[str, int, int]]:
     """(collective, bytes inside the node, bytes between nodes) per rank and step."""
-    rows = []
-    for name, nbytes in (("all-gather (received)", plan.allgather_bytes),
-                         ("reduce-scatter (sent)", plan.reduce_scatter_bytes)):
-        rows.append((name, *link_split(nbytes, plan.world_size, ranks_per_node)))
-    inside, between = (sum(r[k] for r in rows) for k in (1, 2))
+    k = plan.shard_size or plan.world_size
+    shard_peers = peers(plan.world_size, k, ranks_per_node, replicas=False)
+    replica_peers = peers(plan.world_size, k, ranks_per_node, replicas=True)
+    rows = [(name, *link_split(nbytes, *group)) for name, nbytes, group in (
+        ("all-gather (received)", plan.allgather_bytes, shard_peers),
+        ("reduce-scatter (sent)", plan.reduce_scatter_bytes, shard_peers),
+        ("all-reduce across replicas", plan.all_reduce_bytes, replica_peers))]
+    inside, between = (sum(r[i] for r in rows) for i in (1, 2))
     return rows + [("total", inside, between)]
 
 
@@ -59,14 +62,16 @@ def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, l
            *, title: str, out: TextIO) -> bool:
     """Print the table for ``plan``; True if it fits ``limit`` GiB per rank (or no limit given)."""
     w, k = plan.world_size, max(1, min(ranks_per_node, plan.world_size))
+    layout = ("full sharding" if (plan.shard_size or w) == w else
+              f"hybrid: sharded within {plan.shard_size} ranks, {w // plan.shard_size} replicas")
     print(f"{title}: {plan.params / 1e9:,.3f} B parameters, world {w} "
-          f"({-(-w // k)} nodes x {k} ranks), parts full sharding", file=out)
+          f"({-(-w // k)} nodes x {k} ranks), parts {layout}", file=out)
     print(f"\n{'memory per rank':<42} {'in memory':>14} {'optim on disk':>14} {'+ shards on disk':>16}", file=out)
     for what, *sizes in memory_rows(plan):
         print(f"  {what:<40} " + " ".join(f"{_gib(n):>14}" for n in sizes), file=out)
-    print("\ntraffic per rank and step   inside node   between nodes", file=out)
+    print(f"\n{'traffic per rank and step':<30} {'inside node':>12} {'between nodes':>14}", file=out)
     for what, inside, between in traffic_rows(plan, k):
-        print(f"  {what:<24} {_gb(inside):>12} {_gb(between):>14}", file=out)
+        print(f"  {what:<28} {_gb(inside):>12} {_gb(between):>14}", file=out)
     ref = Reference(plan.params, w, param_bytes=widths.param, state_bytes=widths.state)
     print("\nmodel states per rank, for reference (ZeRO paper formulas; DeepSpeed's estimate)", file=out)
     for name, nbytes in (("DDP", ref.ddp()), ("ZeRO-1", ref.zero1()), ("ZeRO-2", ref.zero2()),

@@ -173,7 +173,7 @@ def replica_slices(flats: list[torch.Tensor], info: GroupInfo, replica: GroupInf
         for piece in pieces:
             piece.copy_(buf[off:off + piece.numel()])
             off += piece.numel()
-    return int(buf[-8:].view(torch.int64).item())
+    return int(buf[-8:].clone().view(torch.int64).item())  # the pieces before it leave it unaligned
 
 
 def _finish(name: str, p: nn.Parameter, flat: torch.Tensor, shape: torch.Size, pid: int,
