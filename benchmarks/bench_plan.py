@@ -44,20 +44,18 @@ def config_file(name: str, directory: Path) -> Path:
     return path
 
 
-def child(mode: str, config: str, world: int) -> None:
+def child(mode: str, config: str, world: int, shard_size: int) -> None:
     """In a fresh process: plan ``config`` at ``world`` (estimate or dry run); print JSON."""
-    import torch
-
     from parts.plan import dry_run, estimate, shape_of
-    from parts.plan.models import hf_builder
+    from parts.plan.models import hf_builder, on_meta
 
     build = hf_builder(config)
     start = time.perf_counter()
+    shard_size = shard_size or None
     if mode == "estimate":
-        with torch.device("meta"):
-            plan = estimate(shape_of(build()), world)
+        plan = estimate(shape_of(on_meta(build)), world, shard_size=shard_size)
     else:
-        plan = dry_run(build, world, step=_tokens)
+        plan = dry_run(build, world, step=_tokens, shard_size=shard_size)
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"seconds": seconds, "rss_MiB": rss, **plan.as_dict()}))
@@ -75,18 +73,21 @@ def spawn(*args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def plan_row(name: str, config: Path, world: int) -> dict:
-    """One model at one world size: estimate and dry run side by side."""
-    est, dry = spawn("estimate", str(config), str(world)), spawn("dry_run", str(config), str(world))
+def plan_row(name: str, config: Path, world: int, shard_size: int = 0) -> dict:
+    """One model at one world size (a hybrid layout with ``shard_size``): estimate and dry run side by side."""
+    args = (str(config), str(world), str(shard_size))
+    est, dry = spawn("estimate", *args), spawn("dry_run", *args)
     params = est["params"]
     largest = LLAMA[name]["hidden_size"] * 32000
-    return {"model": f"Llama {name}", "world": world, "params_B": round(params / 1e9, 3),
+    layout = f"hybrid {world // shard_size} x {shard_size}" if shard_size else "full"
+    return {"model": f"Llama {name}", "world": world, "layout": layout, "params_B": round(params / 1e9, 3),
             "model_states_GiB": round(est["model_state_bytes"] / GIB, 3),
-            "16Psi/N_GiB": round(16 * params / world / GIB, 3),
+            "16Psi/N_GiB": round(16 * params / (shard_size or world) / GIB, 3),  # N: ranks sharing a shard
             "peak_GiB": round(est["peak_bytes"] / GIB, 3),
-            "deepspeed_estimate_GiB": round((int(18 * params / world) + 4 * largest) / GIB, 3),
+            "deepspeed_estimate_GiB": round((int(18 * params / (shard_size or world)) + 4 * largest) / GIB, 3),
             "traffic_per_step_GB": round(est["step_bytes"] / 1e9, 2),
-            "3Psi(N-1)/N_GB": round(3 * 4 * params * (world - 1) / world / 1e9, 2),
+            "all_reduce_GB": round(est["all_reduce_bytes"] / 1e9, 2),
+            "3Psi(N-1)/N_GB": round(3 * 4 * params * ((shard_size or world) - 1) / (shard_size or world) / 1e9, 2),
             "estimate_s": round(est["seconds"], 2), "dry_run_s": round(dry["seconds"], 1),
             "dry_run_rss_MiB": round(dry["rss_MiB"]),
             "estimate_equals_dry_run": all(est[k] == dry[k] for k in BYTES)}
@@ -158,14 +159,15 @@ def real_row(world: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="7B rows only, no real runs")
-    parser.add_argument("--child", nargs=3, metavar=("MODE", "CONFIG", "WORLD"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("MODE", "CONFIG", "WORLD", "SHARD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child[0], args.child[1], int(args.child[2]))
+        return child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]))
     with tempfile.TemporaryDirectory() as tmp:
         configs = {name: config_file(name, Path(tmp)) for name in LLAMA}
         names = ["7B"] if args.quick else ["7B", "70B"]
         rows = [plan_row(name, configs[name], world) for name in names for world in (8, 64, 1024)]
+        rows += [plan_row(name, configs[name], 1024, 8) for name in names]
         for row in rows:
             print(row, flush=True)
         summary = {}
