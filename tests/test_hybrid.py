@@ -278,3 +278,21 @@ def test_two_hop_collectives_equal_flat_ones_and_cross_nodes_half_as_much():
         crossing = hops[2]["0,2"][kind]  # rank 0's node is {0, 1}; {0, 2} crosses
         assert hops[2]["0,1"][kind] == 2 * crossing  # the node hop carries the rest
         assert 3 * crossing == flat[2]["0,1,2,3"][kind]  # flat: 2 of its 3 pieces cross
+
+
+def _load_on_rank_0(state: dict) -> dict:
+    """A hybrid model (every rank seeded apart) loads ``state`` given on global rank 0 only."""
+    import torch.distributed as dist
+    from parts.partition import full_state_dict, load_full_state_dict, partitioned
+    torch.manual_seed(300 + dist.get_rank())
+    with partitioned(mesh=_mesh(2)):
+        model = _model()
+    load_full_state_dict(model, state if dist.get_rank() == 0 else None)
+    return full_state_dict(model, rank0_only=False)
+
+
+def test_a_full_state_dict_given_on_rank_0_loads_into_every_replica():
+    torch.manual_seed(5)
+    state = _model().state_dict()
+    for loaded in run(4, _load_on_rank_0, state):
+        assert all(torch.equal(loaded[k], state[k]) for k in state)

@@ -131,6 +131,10 @@ def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], str
     unexpected = [k for k in sd if k not in own]
     verdict, present, missing, unexpected = broadcast_object(
         (verdict, [k for k in own if k in sd], missing, unexpected), 0, info.group)
+    replica = _replica(_partitioned_pairs(own))
+    if replica is not None:  # a hybrid layout: the first replica's rank 0 (global rank 0) decides
+        verdict, present, missing, unexpected = broadcast_object(
+            (verdict, present, missing, unexpected), 0, replica.group)
     if verdict:
         raise RuntimeError(verdict)
     keys = {}
@@ -138,28 +142,45 @@ def load_full_state_dict(module: nn.Module, sd: Optional[Mapping[str, Any]], str
         keys.setdefault(id(own[k]), k)
     pairs = [(p, m) for p, m in _partitioned_pairs(own) if id(p) in keys]
     for bucket in _buckets(pairs, _limit(pairs, bucket_numel)):
-        _load_bucket(bucket, [sd.get(keys[id(p)]) for p, _ in bucket], info)
+        _load_bucket(bucket, [sd.get(keys[id(p)]) for p, _ in bucket], info, replica)
     for k in present:
         v = own[k]
         if isinstance(v, torch.Tensor) and not is_partitioned(v) and keys.get(id(v)) == k:
             with torch.no_grad():
-                if info.rank == 0:
+                if _first(info, replica):
                     v.copy_(sd[k])
-                broadcast(v.data, 0, info)
+                _broadcast(v.data, info, replica)
     return incompatible_keys(missing, unexpected)
 
 
-def _load_bucket(bucket: list, values: list, info: GroupInfo) -> None:
+def _replica(pairs: list) -> Optional[GroupInfo]:
+    """The replica group of a hybrid layout's records (None: no replicas)."""
+    return pairs[0][1].replica if pairs else None
+
+
+def _first(info: GroupInfo, replica: Optional[GroupInfo]) -> bool:
+    """True on the rank whose values load: rank 0 of the group (of the first replica's group)."""
+    return info.rank == 0 and (replica is None or replica.rank == 0)
+
+
+def _broadcast(t: torch.Tensor, info: GroupInfo, replica: Optional[GroupInfo]) -> None:
+    """``t`` from the loading rank to every rank: across replicas (rank 0 of each group), then within."""
+    if replica is not None and info.rank == 0:
+        broadcast(t, 0, replica)
+    broadcast(t, 0, info)
+
+
+def _load_bucket(bucket: list, values: list, info: GroupInfo, replica: Optional[GroupInfo] = None) -> None:
     """Broadcast rank 0's ``values`` for the params of ``bucket`` (by dtype) and rewrite shards."""
     for dtype in sorted({m.dtype for _, m in bucket}, key=str):
         group = [(p, m, v) for (p, m), v in zip(bucket, values) if m.dtype == dtype]
         flat = alloc(sum(m.numel for _, m, _ in group), dtype, group[0][1].device)
         off = 0
         for _, m, v in group:
-            if info.rank == 0:
+            if _first(info, replica):
                 flat[off:off + m.numel].copy_(v.detach().reshape(-1))
             off += m.numel
-        broadcast(flat, 0, info)
+        _broadcast(flat, info, replica)
         off = 0
         for p, m, _ in group:
             piece = flat[off:off + m.numel]
