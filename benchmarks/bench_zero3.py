@@ -72,7 +72,8 @@ def build_deepspeed(config):
     model = GPT(config)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                  "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
+    engine, optimizer, _, _ = deepspeed.initialize(model=model,
+                                                   optimizer=torch.optim.AdamW(model.parameters(), lr=3e-4),
                                                    config=ds_config)
     return _DeepSpeedModel(engine), _DeepSpeedOptimizer(engine), None
 

@@ -12,13 +12,16 @@ shards, so the fp32 shards are the masters and the loss tracks fp32. Weights bel
 ``--persistence-threshold`` elements (100,000: the library's and DeepSpeed's default; at the
 default size that is every weight of this 0.83M model) are refreshed once per step in one
 all-gather and stay gathered; larger ones (all of them with ``--persistence-threshold 0``) are
-fetched per block before use and released after it, which here costs 12-20% of the throughput. With ``--checkpoint`` each block runs inside
+fetched per block before use and released after it, which here costs 12-20% of the throughput.
+With ``--checkpoint`` each block runs inside
 ``parts.checkpoint.checkpoint`` (off by default: recomputing costs this small model ~20% of
-a step and saves little memory), and ``BF16Optimizer(AdamW, allow_fp32=True)`` steps the fp32 shards, clips by the global norm and
+a step and saves little memory), and ``BF16Optimizer(AdamW, allow_fp32=True)`` steps the fp32
+shards, clips by the global norm and
 follows a warm-up + cosine schedule. With ``--no-partition`` the replicated fp32 model is cast
 by ``BF16Optimizer(param_dtype=bf16)``, which keeps the full-precision values as its masters. The default data
 is Python source text from the standard library (no download; characters, with four spaces as
-one token: ``chardata``); ``--data FILE`` trains on yours; losses are in nats per character. At the end every rank writes its own shard of the weights and optimizer state into a
+one token: ``chardata``); ``--data FILE`` trains on yours; losses are in nats per character. At
+the end every rank writes its own shard of the weights and optimizer state into a
 ``torch.distributed.checkpoint`` directory (``--out``; no rank gathers the model); ``--resume``
 continues from it at any ``--nproc-per-node``, and FSDP2 (or ``dcp_to_torch_save``) reads it.
 The sample is drawn on rank 0 from a plain ``GPT`` holding ``full_state_dict`` (temperature
@@ -210,7 +213,8 @@ def main() -> None:
     params = sum(meta(p).numel if is_partitioned(p) else p.numel() for p in model.parameters())
     progress = report.Progress(args.steps, enabled=rank == 0)
     progress.note(f"GPT {params / 1e6:.2f}M params, {args.dtype} ({why}), world {world}, "
-                  f"{char_count(train_tokens).item():,} training chars in {len(train_tokens):,} tokens, steps {start + 1}..{start + args.steps}")
+                  f"{char_count(train_tokens).item():,} training chars in {len(train_tokens):,} tokens, "
+                  f"steps {start + 1}..{start + args.steps}")
     generator = torch.Generator().manual_seed(args.seed + 7919 * rank + start)
     train_curve, val_curve = [], [(start, evaluate(model, val_tokens, args))]
     progress.note(f"step {start}: validation loss {val_curve[0][1]:.4f}")

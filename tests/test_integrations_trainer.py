@@ -78,7 +78,8 @@ def _train_then_resume(out: str) -> dict:
     resumed.train(resume_from_checkpoint=checkpoint)
     return dict(losses=_logged(trainer, "loss"), norms=_logged(trainer, "grad_norm"),
                 resumed_losses=_logged(resumed, "loss"), resumed_norms=_logged(resumed, "grad_norm"),
-                files=sorted(os.listdir(checkpoint)), shards=sorted(os.listdir(os.path.join(checkpoint, OPTIMIZER_DIR))),
+                files=sorted(os.listdir(checkpoint)),
+                shards=sorted(os.listdir(os.path.join(checkpoint, OPTIMIZER_DIR))),
                 final=_full(trainer.model), resumed_final=_full(resumed.model))
 
 
@@ -151,7 +152,8 @@ def _norm_eval_save(out: str) -> dict:
     dist.barrier()  # rank 0 wrote it
     saved = load_file(os.path.join(out, "final", "model.safetensors"))
     loaded = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final")).state_dict()
-    return dict(kept=kept, logged_loss=_logged(trainer, "loss")[0], loss=loss.item(), logged_norm=_logged(trainer, "grad_norm")[0],
+    return dict(kept=kept, logged_loss=_logged(trainer, "loss")[0], loss=loss.item(),
+                logged_norm=_logged(trainer, "grad_norm")[0],
                 norm=norm.item(), eval_loss=metrics["eval_loss"], ref_eval_loss=eval_loss.item(),
                 saved_keys_equal=all(torch.equal(v, final[k]) for k, v in saved.items()),
                 loaded_equal=sorted(loaded) == sorted(final) and all(torch.equal(loaded[k], final[k]) for k in final),

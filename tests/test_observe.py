@@ -206,7 +206,6 @@ def test_timers_log_min_max_across_ranks():
     assert lines1 == []
 
 
-
 def _apply_threshold(num_bytes):
     import parts.observe as observe
     return observe.set_mmap_threshold(num_bytes)
@@ -220,6 +219,7 @@ def test_mmap_threshold_is_applied_on_glibc():
         pytest.skip("not glibc")
     from harness import run
     assert run(1, _apply_threshold, 128 * 1024) == [True]
+
 
 def test_mmap_threshold_rejects_bad_sizes():
     import parts.observe as observe

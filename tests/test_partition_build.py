@@ -183,6 +183,7 @@ def body_context_features():
         h.outer.register_parameter("extra", nn.Parameter(torch.ones(2, 2)))
         bare = nn.Module()
         bare.w = nn.Parameter(torch.zeros(3))
+
         class Defined(nn.Module):  # a class defined inside the context
             def __init__(self):
                 super().__init__()
@@ -303,7 +304,8 @@ def body_memory(n_layers):
         stack = nn.Sequential(*[Layer() for _ in range(n_layers)])
     final = _param_bytes(Layer.live)
     Layer.live = []
-    return max(Layer.samples + [final]), final, sum(p.numel() for p in nn.Linear(1024, 1024).parameters()) * 4, len(stack)
+    layer_bytes = sum(p.numel() for p in nn.Linear(1024, 1024).parameters()) * 4
+    return max(Layer.samples + [final]), final, layer_bytes, len(stack)
 
 
 def test_construction_peak_at_most_half_model_plus_one_layer():

@@ -151,6 +151,7 @@ TRAIN_GPT_TINY = ("--steps", "6", "--n-layer", "2", "--n-embd", "64", "--seq-len
                   "--sample-chars", "16", "--dtype", "fp32", "--out", "{workdir}/gpt.ckpt",
                   "--plot", "{workdir}/loss.png")
 
+
 def check_train_offload(out: str, workdir: Path) -> None:
     losses = [float(v) for (v,) in rows(r"^\[[#.]+\] \d+/3 loss ([\d.]+)", out)]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses), out

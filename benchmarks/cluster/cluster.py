@@ -14,7 +14,8 @@ the namespaces have no other interface but their loopback. The namespaces are de
 the end, whatever happened.
 
 For each system (DDP, FSDP2 full shard, FSDP2 HSDP 2 x 2, parts full shard, parts full shard
-with two-hop all-gathers (``ranks_per_node``), parts hybrid 2 x 2) on the 25M GPT of bench_zero3.py (fp32, AdamW, the same batches): the median step
+with two-hop all-gathers (``ranks_per_node``), parts hybrid 2 x 2) on the 25M GPT of
+bench_zero3.py (fp32, AdamW, the same batches): the median step
 time, peak RSS, the final loss, the bytes that crossed the link (the veth's own counters in
 node 0, each direction, for the whole run: setup and steps) and, for parts, the bytes its
 ledger counted per group. Results go to ``benchmarks/results/bench_cluster.jsonl``.

@@ -15,4 +15,5 @@ from parts.base.timers import Timer, Timers
 from parts.base.weak import weak_method
 from parts.base.wrapper import OptimizerWrapper
 
-__all__ = ["OptimizerWrapper", "ShardLayout", "StoragePool", "Timer", "Timers", "accelerator_device", "synchronize_accelerator", "weak_method"]
+__all__ = ["OptimizerWrapper", "ShardLayout", "StoragePool", "Timer", "Timers", "accelerator_device",
+           "synchronize_accelerator", "weak_method"]

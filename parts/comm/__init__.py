@@ -28,7 +28,8 @@ __all__ = [
     "require_distributed", "is_distributed", "global_rank", "env_world_size", "hybrid_groups",
     "CommCounter", "comm_counter", "wire_bytes",
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
-    "all_reduce", "all_reduce_async", "min_max", "broadcast", "broadcast_object", "all_gather_objects", "all_gather_list",
+    "all_reduce", "all_reduce_async", "min_max", "broadcast", "broadcast_object", "all_gather_objects",
+    "all_gather_list",
     "new_group", "comm_device", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "Topology", "agree", "RankDisagreement", "fake_world", "block_layout",
 ]

@@ -45,7 +45,6 @@ from parts.comm.shard_view import same_piece as same_piece
 from parts.comm.shard_view import settle as settle
 
 
-
 class _Ranks:
     """The group, and DCP's steps agreed across it: if any rank's part of a step raised, every
     rank raises ``CheckpointError`` naming the checkpoint, the step, the ranks and their errors."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 
-
 @dataclass(frozen=True)
 class Failure:
     """One rank's failed step: its group rank, ``error`` (``"Type: message"``), ``traceback`` text."""

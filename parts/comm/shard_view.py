@@ -29,7 +29,6 @@ from parts._compat import default_torch_function, storage_less_tensor
 from parts.base.boxes import flat_boxes
 
 
-
 def is_deferred(piece: Any) -> bool:
     """True for a deferred segment (not a tensor; read when DCP asks: see the module docstring)."""
     return not isinstance(piece, torch.Tensor) and hasattr(piece, "materialize")

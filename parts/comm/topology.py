@@ -94,5 +94,3 @@ def two_hop_all_gather(out: torch.Tensor, inp: torch.Tensor, topo: Topology, gat
         return handle
     handle.wait()
     return None
-
-

@@ -178,7 +178,6 @@ class PartsAcceleratorMixin:
             return clip_grad_norm_(params, max_norm, norm_type)
         return super().clip_grad_norm_(params, max_norm, norm_type)
 
-
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """A parts model's full weights (gathered to rank 0, ``full_state_dict``): what ``save_pretrained`` takes."""
         if not is_parts_model(self.unwrap_model(model) if unwrap else model):

@@ -145,7 +145,9 @@ def load_sharded_state_dict(opt: Masters, model: nn.Module, state: Mapping[str, 
                          "returned, filled by dcp.load (keys 'state', 'param_groups', 'master')")
     settle(dict(state))  # what DCP wrote into stored masters and state goes to their store
     fqn = _fqn_of(model)
-    ours = _views(opt, model)  # no sync_masters: loaded masters beat shards loaded just before; the views of our own tensors: loaded values copied in if not them
+    # no sync_masters: loaded masters beat shards loaded just before; the views of our own
+    # tensors: loaded values copied in if not them
+    ours = _views(opt, model)
     for name, view in ours["master"].items():
         _copy_view(view, state["master"].get(name), f"master.{name}")
         for k, v in ours["state"][name].items():

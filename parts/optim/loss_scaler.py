@@ -11,7 +11,8 @@ from typing import Any
 
 
 class DynamicLossScaler:
-    """Scale that backs off after ``hysteresis`` consecutive overflows and grows after ``growth_interval`` clean steps."""
+    """Scale that backs off after ``hysteresis`` consecutive overflows and grows after
+    ``growth_interval`` clean steps."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000,

@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, default in (("persistence_threshold", 100_000), ("max_reuse_distance", 5_000_000),
                           ("prefetch_bucket_size", 5_000_000), ("max_live_parameters", 1_000_000_000),
                           ("fetch_unit_size", 5_000_000)):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default, help="coordinator knob (elements)")
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help="coordinator knob (elements)")
     return parser
 
 

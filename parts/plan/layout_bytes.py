@@ -24,8 +24,8 @@ class Plan:
     gathered at once besides those. ``allgather_bytes`` / ``reduce_scatter_bytes`` /
     ``all_reduce_bytes``: what this rank receives (all-gather) or sends (reduce-scatter) per
     step, by ``parts.comm.counter``'s convention; in a hybrid layout (``shard_size`` ranks per
-    shard group) the all-reduce is the cross-replica mean of the grad shards. Collective counts come from runs only (they
-    depend on prefetch chunking) and take no part in comparing two plans.
+    shard group) the all-reduce is the cross-replica mean of the grad shards. Collective counts
+    come from runs only (they depend on prefetch chunking) and take no part in comparing plans.
     """
 
     world_size: int

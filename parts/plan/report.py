@@ -76,7 +76,8 @@ def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, l
     print("\nmodel states per rank, for reference (ZeRO paper formulas; DeepSpeed's estimate)", file=out)
     for name, nbytes in (("DDP", ref.ddp()), ("ZeRO-1", ref.zero1()), ("ZeRO-2", ref.zero2()),
                          ("ZeRO-3", ref.zero3()), ("parts (this plan)", plan.model_state_bytes),
-                         ("DeepSpeed estimate_zero3 (GPU, no offload)", ref.deepspeed_estimate(shape.largest_module()))):
+                         ("DeepSpeed estimate_zero3 (GPU, no offload)",
+                          ref.deepspeed_estimate(shape.largest_module()))):
         print(f"  {name:<44} {_gib(nbytes):>14}", file=out)
     lines = advice(plan, limit)
     for line in lines:

@@ -12,7 +12,8 @@ the pool and ``gather`` takes blocks of the right byte size from it before alloc
 Fetch is idempotent: AVAILABLE params are skipped, INFLIGHT params are not requested
 again, their pending handle is joined. An AVAILABLE param whose shard changed since it
 was gathered (``is_stale``: an optimizer stepped the shard while the param stayed
-gathered) is fetched again, so a gather never hands out stale values. (Every rank must see the same shards change, as with any optimizer that
+gathered) is fetched again, so a gather never hands out stale values. (Every rank must see the
+same shards change, as with any optimizer that
 steps all ranks' shards, or the ranks would disagree on the collective.)
 """
 

@@ -6,7 +6,8 @@ exactly (bf16 grads of a ``MixedPrecision`` gather, fp32 sums) is sent in its ow
 cast up chunk by chunk as the collective adds it (on gloo it also travels as bf16: half the
 bytes, no full-size fp32 copy of it; ``parts.comm.gloo``); any other is cast to ``dtype``
 first. The grad itself is the send buffer when it already is a flat tensor of
-``world_size * shard_numel`` elements in the send dtype, else a padded copy (padding zeroed). It divides by the group size when ``average`` (DDP semantics) and adds the
+``world_size * shard_numel`` elements in the send dtype, else a padded copy (padding zeroed).
+It divides by the group size when ``average`` (DDP semantics) and adds the
 result into ``meta(p).grad_shard`` (the result becomes the grad shard if there is none;
 overwrites it when ``accumulate=False``). Params whose ``.grad`` is None are skipped:
 every rank must pass the same params with the same None pattern, or the collectives

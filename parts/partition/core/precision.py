@@ -6,7 +6,8 @@ from then on the coordinator's gathers (``gather(..., compute=True)``) cast each
 that dtype *before* the all-gather (the wire carries bf16 bytes and the full tensor is
 bf16), autograd produces bf16 full grads, and ``reduce_scatter_grads(dtype=reduce_dtype)``
 sums them in fp32 (casting each chunk up as it is added, so no full-size fp32 copy of a grad
-is made on gloo) and accumulates the grad shards in fp32 across micro-batches. The fp32 shards never change dtype, so ``torch.optim.AdamW(shards(model))``
+is made on gloo) and accumulates the grad shards in fp32 across micro-batches. The fp32 shards
+never change dtype, so ``torch.optim.AdamW(shards(model))``
 steps the masters directly: there is no separate master copy.
 
 Modules of a ``keep_fp32`` type (e.g. ``nn.LayerNorm``) keep their parameters gathered in
@@ -98,4 +99,3 @@ def apply_mixed_precision(module: nn.Module, policy: MixedPrecision) -> Callable
         for p in params:
             meta(p).compute_dtype = None
     return undo
-

@@ -78,7 +78,8 @@ def _byte_offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _pack_and_release(params: list[nn.Parameter], extra: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def _pack_and_release(params: list[nn.Parameter], extra: torch.Tensor,
+                      device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Copy params (as bytes) and ``extra`` into one buffer, freeing each full param after copying."""
     offsets, total = _byte_offsets(params)
     buf = alloc(total + extra.numel(), torch.uint8, device)

@@ -6,7 +6,8 @@ gathered in buckets of ``bucket_numel`` elements and released again, so the peak
 output plus one bucket (one parameter per bucket when shards are on disk: ``_limit``, so a
 model that does not fit in memory never has more than one parameter's full tensor and
 shard read in beyond the result); parameters already gathered are read as they are, unless their
-shard changed since they were gathered (then they are fetched again). ``load_full_state_dict`` loads **rank 0's** dict on every rank:
+shard changed since they were gathered (then they are fetched again). ``load_full_state_dict``
+loads **rank 0's** dict on every rank:
 rank 0 checks keys and shapes (the verdict is broadcast so all ranks raise together),
 then broadcasts each bucket and every rank keeps its slice; other ranks may pass ``{}``.
 """

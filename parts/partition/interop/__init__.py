@@ -6,4 +6,5 @@ from parts.partition.interop.pretrained import load_pretrained, num_parameters
 from parts.partition.interop.resize import resize_token_embeddings
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad, zero_grad_shards
 
-__all__ = ["load_pretrained", "num_parameters", "resize_token_embeddings", "clip_grad_norm_", "grad_norm", "install_zero_grad", "remove_zero_grad", "zero_grad_shards"]
+__all__ = ["load_pretrained", "num_parameters", "resize_token_embeddings", "clip_grad_norm_", "grad_norm",
+           "install_zero_grad", "remove_zero_grad", "zero_grad_shards"]
