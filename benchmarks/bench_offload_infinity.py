@@ -1,0 +1,221 @@
+"""Benchmark parts.offload beside DeepSpeed ZeRO-Infinity: the same GPT, data and steps, with
+parameters and AdamW state on disk in both.
+
+    python benchmarks/bench_offload_infinity.py                   # 25M GPT, world 2
+    python benchmarks/bench_offload_infinity.py --params 125M --steps 4
+
+Each system runs in its own ``--world-size`` processes (gloo), one system after the other:
+
+* parts: ``partitioned(remote_device=DiskStore(...))``, ``attach``, ``OffloadedOptimizer(AdamW)``
+  stepping during backward; the store's windows sized by its default ``memory_budget``.
+* ZeRO-Infinity (DeepSpeed, ``DS_ACCELERATOR=cpu``): ZeRO-3 with ``offload_param`` and
+  ``offload_optimizer`` on ``nvme`` (a temporary directory on the same disk), its async IO
+  (libaio) and CPU AdamW, every other knob at its default.
+
+Both start from the same weights (``torch.manual_seed(0)``, rank 0's broadcast), see the same
+batches (``chardata``, seeded per rank) and use AdamW with the same lr and no weight decay. Per
+system: the median step time after ``--warmup`` steps, the peak RSS per rank (``ru_maxrss``), the
+bytes the process read and wrote per step at the block layer (``/proc/self/io``: what reached
+the disk, all threads) and the loss of every step (mean over ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chardata import VOCAB_SIZE, batch, load_splits  # noqa: E402
+from gpt_model import GPT, GPTConfig  # noqa: E402
+from record import record  # noqa: E402
+from train_offload import PRESETS, count_params  # noqa: E402
+
+LR = 1e-4
+MiB = 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", choices=sorted(PRESETS), default="25M")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="measured steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--systems", default="parts,infinity,memory",
+                    help="memory: parts in memory, the reference both offloaded runs' losses are set against")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary stores go")
+    return ap.parse_args()
+
+
+def config_of(args: argparse.Namespace) -> GPTConfig:
+    layers, width, heads = PRESETS[args.params]
+    return GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=layers, n_head=heads, n_embd=width)
+
+
+def io_bytes() -> tuple[int, int]:
+    """(read, written) bytes this process (all its threads) moved at the block layer."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def build_parts(config: GPTConfig, directory: str):
+    """parts.offload: shards and AdamW state in a DiskStore, stepping during backward."""
+    from parts.offload import DiskStore, OffloadedOptimizer
+    from parts.partition import attach, partitioned, shards
+    store = DiskStore(os.path.join(directory, f"rank{dist.get_rank()}"))
+    with partitioned(remote_device=store):
+        model = GPT(config)
+    layer = 12 * config.n_embd ** 2
+    attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
+           persistence_threshold=4 * config.n_embd, reduce_bucket_size=layer)
+    opt = OffloadedOptimizer(torch.optim.AdamW(shards(model), lr=LR, weight_decay=0.0), store)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        with opt.step_in_backward():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step, store.close
+
+
+def build_memory(config: GPTConfig, directory: str):
+    """The reference: parts' ZeRO-3 in memory, torch AdamW (what both offloaded runs should equal)."""
+    from parts.partition import attach, partitioned, shards
+    with partitioned():
+        model = GPT(config)
+    attach(model)
+    opt = torch.optim.AdamW(shards(model), lr=LR, weight_decay=0.0)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step, lambda: None
+
+
+def build_infinity(config: GPTConfig, directory: str, batch_size: int):
+    """DeepSpeed ZeRO-Infinity: ZeRO-3, parameters and optimizer state offloaded to nvme."""
+    import deepspeed
+    nvme = os.path.join(directory, f"rank{dist.get_rank()}")
+    os.makedirs(nvme, exist_ok=True)
+    ds_config = {"train_micro_batch_size_per_gpu": batch_size,
+                 "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+                 "zero_optimization": {"stage": 3,
+                                       "offload_param": {"device": "nvme", "nvme_path": nvme},
+                                       "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+    model = GPT(config)  # built whole, as parts' is before sharding: the same weights; initialize() offloads it
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+    return step, lambda: None
+
+
+def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namespace, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = config_of(args)
+    directory = tempfile.mkdtemp(prefix=f"bench-{system}-", dir=args.dir) if rank == 0 else ""
+    holder = [directory]
+    dist.broadcast_object_list(holder, src=0)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    if system == "parts":
+        step, close = build_parts(config, holder[0])
+    elif system == "memory":
+        step, close = build_memory(config, holder[0])
+    else:
+        step, close = build_infinity(config, holder[0], args.batch_size)
+    built = time.perf_counter() - start
+    tokens, _ = load_splits(None)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    times, losses, io = [], [], None
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            io = io_bytes()
+        started = time.perf_counter()
+        loss = step(*batch(tokens, args.batch_size, args.seq_len, gen))
+        dist.barrier()
+        times.append(time.perf_counter() - started)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    read, written = (b - a for a, b in zip(io, io_bytes()))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rows = [None] * world
+    dist.all_gather_object(rows, (peak, read / args.steps, written / args.steps))
+    if rank == 0:
+        results[system] = dict(step=statistics.median(times[args.warmup:]), built=built, losses=losses, ranks=rows)
+    close()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    psi = count_params(config_of(args))
+    print(f"GPT {args.params} ({psi / 1e6:.0f} M params), world {args.world_size}, {args.batch_size}x"
+          f"{args.seq_len} tokens per rank, fp32 AdamW lr {LR}, {args.warmup} + {args.steps} steps", flush=True)
+    results = mp.Manager().dict()
+    for system in args.systems.split(","):
+        mp.spawn(_worker, args=(args.world_size, _free_port(), system, args, results), nprocs=args.world_size)
+        r = results[system]
+        print(f"{system}: step {r['step']:.2f} s, built in {r['built']:.1f} s, peak RSS per rank "
+              + ", ".join(f"{p / MiB:.0f}" for p, _, _ in r["ranks"]) + " MiB, read / written per step per rank "
+              + ", ".join(f"{rd / MiB:.0f} / {wr / MiB:.0f}" for _, rd, wr in r["ranks"]) + " MiB, losses "
+              + " ".join(f"{v:.4f}" for v in r["losses"]), flush=True)
+    rows = [{"system": s, "step_s": round(r["step"], 3),
+             "peak_rss_MiB": ", ".join(f"{p / MiB:.0f}" for p, _, _ in r["ranks"]),
+             "read_MiB_per_step": ", ".join(f"{rd / MiB:.0f}" for _, rd, _ in r["ranks"]),
+             "written_MiB_per_step": ", ".join(f"{wr / MiB:.0f}" for _, _, wr in r["ranks"]),
+             "first_loss": round(r["losses"][0], 4), "last_loss": round(r["losses"][-1], 4)}
+            for s, r in results.items()]
+    summary = {"model": f"GPT {args.params} ({psi / 1e6:.0f} M params), world {args.world_size}, "
+                        f"{args.batch_size}x{args.seq_len} tokens per rank, {args.warmup} + {args.steps} steps"}
+    if {"parts", "infinity"} <= set(results.keys()):
+        p, d = results["parts"], results["infinity"]
+        summary["infinity step / parts step"] = round(d["step"] / p["step"], 2)
+        summary["parts RSS / infinity RSS"] = round(max(r[0] for r in p["ranks"]) / max(r[0] for r in d["ranks"]), 2)
+    if "memory" in results.keys():
+        ref = results["memory"]["losses"]
+        for s in set(results.keys()) - {"memory"}:
+            gap = max(abs(a - b) for a, b in zip(results[s]["losses"], ref))
+            summary[f"{s}: largest loss difference to in memory"] = f"{gap:.2e}"
+    print(summary, flush=True)
+    record("bench_offload_infinity" + ("" if args.params == "25M" else f"_{args.params}"),
+           {"rows": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
