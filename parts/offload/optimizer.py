@@ -46,8 +46,8 @@ from parts.offload import parking
 from parts.offload._batch import Batch as _Batch, discard as _discard
 from parts.offload._optim_state import Snapshot, StateAccess
 from parts.offload.backward_step import BackwardStep
-from parts.offload._fileio import ALIGN
-from parts.offload.plan import min_budget, plan_chunks
+from parts.offload._budget import check_budget
+from parts.offload.plan import plan_chunks
 from parts.offload.spares import Spares
 from parts.offload.store import DiskStore
 
@@ -81,7 +81,7 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._placed: dict[int, dict[str, tuple[torch.Size, torch.dtype]]] = {}
-        self._check_budget()
+        check_budget(self.store, self._params, self._cost)
         self.grad_scale: Optional[torch.Tensor] = None  # multiplies grads read from the store
         self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
         self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (kept across steps)
@@ -244,25 +244,6 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         p.grad = None
         if parking.parked(p) is not None:
             parking.unstage(p)
-
-    def _check_budget(self) -> None:
-        """A parameter whose step bytes exceed the chunk of the user's memory budget is an error."""
-        budget = self.store.budget
-        if not budget.given or not self._params:
-            return
-        i, big = max(enumerate(self._params), key=lambda ip: self._cost(ip[1]))
-        need = self._cost(big)
-        if need > budget.chunk_bytes:
-            record = parking.parked(big)
-            name = record.label if record is not None else f"param_groups index {i}"
-            raise ValueError(
-                f"OffloadedOptimizer: memory_budget={budget.memory_budget} bytes of store {self.store.path!r} "
-                f"is too small for {name!r} ({big.numel()} elements of {big.dtype}): its step holds "
-                f"{need / 2**20:.1f} MiB (value, grad, state), a chunk of the budget is "
-                f"{budget.chunk_bytes / 2**20:.1f} MiB; pass memory_budget >= {self._min_budget(need)}")
-
-    def _min_budget(self, step_bytes: int) -> int:
-        return min_budget(step_bytes, self.store.threads, max(self.store.block_bytes, 8 << 20), ALIGN)
 
     def _cost(self, p: torch.Tensor) -> int:
         placed = self._placed.get(id(p))

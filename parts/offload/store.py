@@ -46,7 +46,7 @@ from parts.offload._fileio import ALIGN, round_up
 from parts.offload._fileio import DiskFullError as DiskFullError  # raised by writes: part of the store
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
-from parts.offload.plan import DEFAULT_FRACTION, BudgetSplit, default_budget, split_budget
+from parts.offload._budget import store_budget
 
 
 class IOHandle:
@@ -109,7 +109,7 @@ class DiskStore:
                              f"{threads} and {max_inflight_bytes}")
         if block_bytes < ALIGN or block_bytes % ALIGN:
             raise ValueError(f"DiskStore: block_bytes must be a positive multiple of {ALIGN}, got {block_bytes}")
-        self.budget = _budget(memory_budget, threads, block_bytes)  # sizes the windows not given
+        self.budget = store_budget(memory_budget, threads, block_bytes)  # sizes the windows not given
         if memory_budget is not None:
             block_bytes = self.budget.block_bytes
         max_inflight_bytes = self.budget.max_inflight_bytes if max_inflight_bytes is None else max_inflight_bytes
@@ -377,32 +377,6 @@ class DiskStore:
                 self._errors.append(op.error)
             self._lock.notify_all()
         self._queue.done(op)
-
-
-def available_memory() -> int:
-    """Bytes of memory the system can give without swapping (``MemAvailable``; all of RAM if unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for row in f:
-                if row.startswith("MemAvailable:"):
-                    return int(row.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _budget(memory_budget: Optional[int], threads: int, block_bytes: int) -> BudgetSplit:
-    """The windows ``memory_budget`` sizes; by default a share of the available memory per local rank."""
-    if memory_budget is not None:
-        if not isinstance(memory_budget, int) or isinstance(memory_budget, bool):
-            raise TypeError(f"DiskStore: memory_budget must be an int of bytes, got {memory_budget!r}")
-        return split_budget(memory_budget, threads, block_bytes, ALIGN, "given (memory_budget=)")
-    available = available_memory()
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    budget = default_budget(available, ranks)
-    why = (f"default: {available / 2**30:.1f} GiB available / {ranks} local rank(s) "
-           f"(LOCAL_WORLD_SIZE) / {DEFAULT_FRACTION}, within [0.5, 16] GiB")
-    return split_budget(budget, threads, block_bytes, ALIGN, why, given=False)
 
 
 def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
