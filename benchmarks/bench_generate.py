@@ -1,4 +1,6 @@
-"""Generation under ZeRO-3 and the streaming export: tokens/s in and out of ``generating``, peak RSS of ``parts.export``.
+"""Generation under ZeRO-3 and the streaming export: tokens/s with and without ``generating``.
+
+Also the peak RSS of ``parts.export``.
 
     python benchmarks/bench_generate.py                  # GPT-2 n_embd 256, 4 layers, world 2, 24 tokens
     python benchmarks/bench_generate.py --tokens 48 --rounds 5
@@ -7,7 +9,8 @@ Generation: every rank of a world-2 gloo group generates ``--tokens`` greedy tok
 own prompt with (a) the unsharded HF GPT-2 (each rank a full copy: the reference), (b) the
 sharded attached model without the context (``synced_gpus=True``: every decoding step gathers
 every layer), (c) inside ``generating(model)`` (gathered once; the time includes the gather on
-entry and the release on exit; ``gathered_entry_s`` is that gather alone) and (d) inside ``generating(model, memory_budget=0.9 x the model)``
+entry and the release on exit; ``gathered_entry_s`` is that gather alone) and (d) inside
+``generating(model, memory_budget=0.9 x the model)``
 (layers streamed). Best wall time of ``--rounds`` rounds on rank 0 (the modes take turns in
 each round; the best round is the least disturbed by other jobs on a shared machine); every
 mode's tokens must equal the unsharded model's.
@@ -171,7 +174,8 @@ def _summary(args: argparse.Namespace, gen: dict, exp: dict) -> dict:
     """The entry gather, generation alone, the tokens check and the export's memory against its bound."""
     growth = exp["peak"] - exp["base"]
     return {"gathered: entry gather s": round(gen["gathered_entry"], 3),
-            "gathered: generate alone vs unsharded": round(gen["unsharded"] / (gen["gathered"] - gen["gathered_entry"]), 2),
+            "gathered: generate alone vs unsharded":
+                round(gen["unsharded"] / (gen["gathered"] - gen["gathered_entry"]), 2),
             "every mode's tokens equal the unsharded model's": gen["same_tokens"],
             "export: model MiB": exp["total"] / 2**20, "export: bound MiB": args.export_bound_mib,
             "export: peak RSS growth MiB": round(growth / 2**20, 1),

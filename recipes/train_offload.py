@@ -65,9 +65,11 @@ def parse_args() -> argparse.Namespace:
     add("--memory-budget-gib", type=float, default=None,
         help="memory per rank the store's windows, the optimizer chunk and the coordinator's live budget "
              "are sized from; None: DiskStore's default (a share of the available memory per local rank)")
-    add("--chunk-mib", type=int, default=None, help="optimizer chunk (parameter + grad + state bytes); None: the budget's")
+    add("--chunk-mib", type=int, default=None,
+        help="optimizer chunk (parameter + grad + state bytes); None: the budget's")
     add("--io-threads", type=int, default=4, help="IO threads per rank's store")
-    add("--inflight-mib", type=int, default=None, help="cap on bytes of store transfers outstanding; None: the budget's")
+    add("--inflight-mib", type=int, default=None,
+        help="cap on bytes of store transfers outstanding; None: the budget's")
     return ap.parse_args()
 
 

@@ -71,7 +71,8 @@ def body_equivalence(tmp, remote_kind):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_disk_equals_memory(tmp_path, world):
-    for same_losses, same_params, reads_ahead, bytes_read, resident in run(world, body_equivalence, str(tmp_path), "none"):
+    results = run(world, body_equivalence, str(tmp_path), "none")
+    for same_losses, same_params, reads_ahead, bytes_read, resident in results:
         assert same_losses and same_params
         assert reads_ahead > 0 and bytes_read > 0
         assert resident == 0  # no shard buffer outlives its all-gather or the optimizer step

@@ -17,7 +17,8 @@ A parked tensor may also carry a gradient in the store (``<key>/grad``):
 optimizer's writes behind a step): ``load``, ``drop``, ``overwrite`` and ``replace`` wait for it first, as the
 write reads the storage they would change or free. Once anything is parked, a global optimizer pre-step hook makes a
 plain torch optimizer that would step a parked tensor raise (it would see no grad and
-silently skip it); ``OffloadedOptimizer`` sets ``driver.active`` around its own steps. These are the integration points of ``parts.partition``
+silently skip it); ``OffloadedOptimizer`` sets ``driver.active`` around its own steps. These are
+the integration points of ``parts.partition``
 (shards on disk) and ``OffloadedOptimizer`` (which steps parked tensors chunk by chunk).
 """
 

@@ -111,8 +111,8 @@ class BudgetSplit:
     live_bytes: int  # the coordinator's max_live_parameters + prefetch_bucket_size, in bytes
     reduce_bytes: int  # the coordinator's reduce bucket, in fp32 grad bytes
     reason: str = "given"
-    given: bool = True
-    bounce_bytes: int = 0  # the IO threads' bounce buffers, taken off the top  # the user's (a parameter it cannot hold is an error) or a default
+    given: bool = True  # the user's budget (a parameter it cannot hold is an error), or a default
+    bounce_bytes: int = 0  # the IO threads' bounce buffers, taken off the top
 
     def attach_knobs(self, itemsize: int) -> dict[str, int]:
         """``attach()`` sizes (elements of ``itemsize`` bytes): a third of the live budget

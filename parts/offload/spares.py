@@ -3,7 +3,8 @@ reads of a later chunk (of the same step or the next).
 
 A buffer the store reads into is otherwise fresh memory, and fresh memory costs a page
 fault and a zeroed page per 4 KiB at its first touch, inside the read: CPU time taken from
-compute, and a slower read (``benchmarks/bench_offload.py`` measures both). A step's chunks repeat the same tensor sizes (a model's
+compute, and a slower read (``benchmarks/bench_offload.py`` measures both). A step's chunks repeat
+the same tensor sizes (a model's
 layers repeat), so the state and grad buffers of chunk k-1, free once its writes are done,
 take the reads of chunk k+2. Only tensors this pool made come back (never one someone else
 may hold), matched by exact byte size. A miss first drops at least as many spare bytes as

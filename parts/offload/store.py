@@ -388,4 +388,3 @@ def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
                          f"{'a non-contiguous' if t.device.type == 'cpu' else t.device} tensor {tuple(t.shape)}")
     flat = t.detach().reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
