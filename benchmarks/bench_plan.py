@@ -31,6 +31,7 @@ LLAMA = {"7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers
                     num_key_value_heads=32),
          "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                      num_key_value_heads=8)}
+GPT_25M = dict(vocab_size=128, block_size=128, n_layer=8, n_embd=512, n_head=8)  # bench_zero3's model
 BYTES = ("param_bytes", "grad_bytes", "optimizer_bytes", "persistent_bytes", "gathered_peak_bytes",
          "allgather_bytes", "reduce_scatter_bytes")
 GIB = 1 << 30
@@ -117,7 +118,7 @@ def real_rank(rank: int, world: int, port: int, queue) -> None:
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.manual_seed(0)
     with partitioned():
-        model = GPT(GPTConfig())
+        model = GPT(GPTConfig(**GPT_25M))
     coordinator = attach(model)
     plan = measure(model, coordinator, step=_gpt_step, device=torch.device("cpu"), steps=3)
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
@@ -128,7 +129,7 @@ def real_rank(rank: int, world: int, port: int, queue) -> None:
 def _gpt_step(model, device):
     import torch
 
-    x = torch.randint(0, model.config.vocab_size, (4, 128), device=device)
+    x = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device=device)
     return model(x, x)
 
 
@@ -148,7 +149,7 @@ def real_row(world: int) -> dict:
     results = sorted(queue.get() for _ in procs)
     for p in procs:
         p.join()
-    plan = dry_run(lambda: GPT(GPTConfig()), world, step=_gpt_step, steps=3).as_dict()
+    plan = dry_run(lambda: GPT(GPTConfig(**GPT_25M)), world, step=_gpt_step, steps=3).as_dict()
     growth = max(g for _, _, g in results)
     return {"model": "GPT 25M (recipes/gpt_model.py)", "world": world,
             "counters_equal_dry_run": all(all(r[k] == plan[k] for k in BYTES) for _, r, _ in results),
