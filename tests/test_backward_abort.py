@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from harness import run
 from test_coordinator_models import GPT, batch
+from test_offload_reliability import _step as reliability_step
 from parts.offload import DiskStore, OffloadedOptimizer
 from parts.partition import attach, detach, full_state_dict, partitioned, shards
 from parts.partition.coordinator import attached_to
@@ -63,15 +64,7 @@ def _build(tmp: str, name: str, disk: bool, debug: bool = False):
 
 def _step(model, opt, step: int, in_backward: bool, fail: bool) -> torch.Tensor:
     """Forward and backward of 4 rows per rank (block 1's output raising in backward if ``fail``)."""
-    handle = model.blocks[1].register_forward_hook(_raise_after_block1) if fail else None
-    try:
-        loss = model(*batch(step, 4, 8 * dist.get_rank()))
-        with opt.step_in_backward() if in_backward else contextlib.nullcontext():
-            loss.backward()
-    finally:
-        if handle is not None:
-            handle.remove()
-    return loss.detach()
+    return reliability_step(model, opt, step, in_backward, _raise_after_block1 if fail else None)
 
 
 def _train(model, opt, steps, in_backward: bool, zero: str) -> tuple[list, bool]:

@@ -24,3 +24,15 @@ def synchronize_accelerator() -> None:
         acc.synchronize()
     elif acc is None and torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def host_memory_available() -> Optional[int]:
+    """Bytes the OS can give without swapping (``MemAvailable`` of /proc/meminfo), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for row in f:
+                if row.startswith("MemAvailable:"):
+                    return int(row.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

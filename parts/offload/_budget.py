@@ -11,19 +11,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from parts.base.device import host_memory_available
 from parts.offload._fileio import ALIGN
 from parts.offload.plan import DEFAULT_FRACTION, BudgetSplit, default_budget, min_budget, split_budget
 
 
 def available_memory() -> int:
     """Bytes of memory the system can give without swapping (``MemAvailable``; all of RAM if unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for row in f:
-                if row.startswith("MemAvailable:"):
-                    return int(row.split()[1]) * 1024
-    except OSError:
-        pass
+    available = host_memory_available()
+    if available is not None:
+        return available
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

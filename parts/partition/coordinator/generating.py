@@ -32,6 +32,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from parts.base.device import host_memory_available
 from parts.comm.collectives import min_max
 from parts.partition.coordinator.api import attach
 from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
@@ -45,24 +46,12 @@ GATHERED = "gathered"  # every parameter gathered once for the block
 STREAMED = "streamed"  # layers gathered per forward within the budget
 
 
-def _host_available() -> int:
-    """Bytes the OS says it can give without swapping (``MemAvailable``), 0 if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def spare_memory(device: torch.device, local_ranks: int) -> int:
     """Half the free memory of ``device`` (host memory for CPU) shared by ``local_ranks`` ranks."""
     if device.type != "cpu" and hasattr(torch.accelerator, "get_memory_info"):
         free = torch.accelerator.get_memory_info(device)[0]
         return free // 2
-    return _host_available() // (2 * max(local_ranks, 1))
+    return (host_memory_available() or 0) // (2 * max(local_ranks, 1))
 
 
 def _coordinator_of(model: nn.Module) -> Optional[FetchCoordinator]:
