@@ -248,7 +248,7 @@ def report(args, store, raws, rows, world, loads, wall) -> None:
           f"shared by {world}): write {raw_w:.2f}, read {raw_r:.2f} GB/s")
     cpu = ", ".join(f"{c:.0f} s" for _, _, c in rows)
     print(f"CPU time per rank (whole run, user + sys, IO threads included): {cpu}; wall {wall:.0f} s; "
-          f"load average (1, 5, 15 min) at start {_load(loads[0])}, at end {_load(loads[1])}")
+          f"system load (1, 5, 15 min) at start {_load(loads[0])}, at end {_load(loads[1])}")
     record("bench_offload", {"rows": table, "summary": {
         "model": f"{args.params} ({psi / 1e6:.0f} M params), world {world}",
         "store": store.mode, "raw per rank write / read (GB/s)": f"{raw_w:.2f} / {raw_r:.2f}",

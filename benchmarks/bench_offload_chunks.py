@@ -63,7 +63,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name in (("cap", "half") if r % 2 == 0 else ("half", "cap")):
             results[name].append(step(store, *systems[name]))
-    print(f"{store.mode}; {COUNT} x {NUMEL} fp32 params, AdamW; load average at start "
+    print(f"{store.mode}; {COUNT} x {NUMEL} fp32 params, AdamW; system load at start "
           f"{' '.join(f'{x:.1f}' for x in load0)}, at end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("| chunk | step wall (s) | step CPU (s) | IO wait per step (s) | GB/s over IO wall |")
     print("|---|---|---|---|---|")

@@ -168,8 +168,9 @@ def test_refresh_after_step_adds_no_collective(threshold: int, steady: int) -> N
             assert counts[0] == 2
 
 
-def _outside_write_case() -> dict:
-    from parts.partition import attach, full_state_dict, meta, partitioned, refresh, shards
+def _one_backward() -> tuple:
+    """An attached ``Net`` (seed 0), AdamW over its shards and one backward done; and the rank."""
+    from parts.partition import attach, partitioned, shards
     rank = dist.get_rank()
     torch.manual_seed(0)
     with partitioned():
@@ -177,6 +178,12 @@ def _outside_write_case() -> dict:
     attach(model)
     opt = torch.optim.AdamW(shards(model), lr=1e-2)
     model(_batch(0, rank)).square().mean().backward()
+    return model, opt, rank
+
+
+def _outside_write_case() -> dict:
+    from parts.partition import full_state_dict, meta, refresh
+    model, opt, rank = _one_backward()
     opt.step()
     with torch.no_grad():  # a hand-written update: no optimizer step announces it
         meta(model.up.bias).shard.add_(1.0)
@@ -200,14 +207,8 @@ def test_a_shard_written_outside_a_step_is_refused_until_refreshed() -> None:
 
 def _open_step_case() -> dict:
     """A train-mode forward whose backward never comes leaves its step open; a step then."""
-    from parts.partition import attach, full_state_dict, partitioned, shards
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    with partitioned():
-        model = Net()
-    attach(model)
-    opt = torch.optim.AdamW(shards(model), lr=1e-2)
-    model(_batch(0, rank)).square().mean().backward()
+    from parts.partition import full_state_dict
+    model, opt, rank = _one_backward()
     model(_batch(1, rank))  # (a metric in train mode, say): no backward follows
     opt.step()
     state = {k: v.clone() for k, v in model.state_dict().items()}
