@@ -278,6 +278,40 @@ def launch_two_machines(case: Case, shared: Path) -> list[Launched]:
     return [launch(case, node, rendezvous=flags, shared=shared) for node in nodes]
 
 
+HYBRID_TINY = ("--steps", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16",
+               "--batch-size", "2", "--eval-interval", "4", "--eval-batches", "2", "--sample-chars", "0",
+               "--persistence-threshold", "0", "--dtype", "fp32", "--data", "{workdir}/text.txt",
+               "--out", "{workdir}/gpt.ckpt", "--plot", "{workdir}/loss.png")
+HYBRID = Case("train_gpt_hybrid", "train_gpt.py", (*HYBRID_TINY, "--hybrid"), lambda out, workdir: None)
+FULL_4 = Case("train_gpt_full_4", "train_gpt.py", HYBRID_TINY, lambda out, workdir: None, nproc=4)  # checked
+# against each other by test_train_gpt_hybrid_on_two_machines_equals_full_sharding
+
+
+def launch_hybrid_pair(directory: Path) -> dict[tuple[str, int], Launched]:
+    """train_gpt --hybrid on two launchers of 2 ranks each (static rendezvous on localhost, so
+    LOCAL_WORLD_SIZE=2 makes a 2 x 2 mesh), and the same flags fully sharded at --nproc-per-node 4.
+    The text is the recipes' own sources (small: each rank reads it in milliseconds)."""
+    shared, full = directory / "hybrid", directory / "full"
+    text = "".join(path.read_text() for path in sorted(RECIPES.glob("*.py")))
+    runs = {}
+    for workdir in (shared, full):
+        workdir.mkdir()
+        (workdir / "text.txt").write_text(text)
+    port = free_port()
+    for index in range(2):
+        (shared / f"node{index}").mkdir()
+        flags = ("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(index), "--rdzv-backend", "static",
+                 "--master-addr", "127.0.0.1", "--master-port", str(port))
+        runs[HYBRID.name, index] = launch(HYBRID, shared / f"node{index}", rendezvous=flags, shared=shared)
+    runs[FULL_4.name, 0] = launch(FULL_4, full)
+    return runs
+
+
+def hybrid_selected(session: pytest.Session) -> bool:
+    """Whether the hybrid-against-full-sharding test runs in this session."""
+    return any(item.name == "test_train_gpt_hybrid_on_two_machines_equals_full_sharding" for item in session.items)
+
+
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
     """Every selected launch ``(recipe name, index)``, all started at once (train_gpt also on
@@ -290,6 +324,8 @@ def launched(request, tmp_path_factory):
         train_gpt = next(c for c in CASES if c.name == "train_gpt")
         for index, node in enumerate(launch_two_machines(train_gpt, tmp_path_factory.mktemp("machines"))):
             runs["train_gpt_node", index] = node
+    if hybrid_selected(request.session):
+        runs.update(launch_hybrid_pair(tmp_path_factory.mktemp("hybrid_pair")))
     yield runs
     for run in runs.values():
         run.kill()
@@ -350,3 +386,50 @@ def test_train_gpt_resumes_at_another_world_size(launched, tmp_path) -> None:
     assert (after["world_size"], after["step"]) == (3, 8)
     assert after["optimizer"]["state"].keys() == before["optimizer"]["state"].keys()
     assert not torch.equal(after["model"]["blocks.0.fc.weight"], before["model"]["blocks.0.fc.weight"])
+
+
+def validation_loss(directory: Path, args: tuple[str, ...]) -> float:
+    """The recipe's validation loss (its own ``evaluate``) of the weights in the checkpoint
+    ``directory``, computed here by a plain GPT, to every digit (the recipe prints four)."""
+    import argparse
+    sys.path.insert(0, str(RECIPES))
+    try:
+        from chardata import VOCAB_SIZE, load_splits
+        from gpt_model import GPT, GPTConfig
+        from train_gpt import evaluate
+    finally:
+        sys.path.remove(str(RECIPES))
+    flag = dict(zip(args[::2], args[1::2]))
+    n = {k: int(flag[f"--{k.replace('_', '-')}"]) for k in ("n_layer", "n_head", "n_embd", "seq_len", "batch_size",
+                                                             "eval_batches")}
+    model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=n["seq_len"], n_layer=n["n_layer"],
+                          n_head=n["n_head"], n_embd=n["n_embd"]))
+    model.load_state_dict(read_checkpoint(directory / "gpt.ckpt")["model"])
+    _, val = load_splits(str(directory / "text.txt"))
+    return evaluate(model, val, argparse.Namespace(**n))
+
+
+HYBRID_RTOL = 1e-5  # the grad mean runs over 2 ranks then across 2 replicas instead of over 4: sums reordered
+
+
+def test_train_gpt_hybrid_on_two_machines_equals_full_sharding(launched) -> None:
+    """train_gpt --hybrid on 2 launchers x 2 ranks (a 2 x 2 mesh) ends at full sharding's validation loss."""
+    runs = [launched[HYBRID.name, 0], launched[HYBRID.name, 1], launched[FULL_4.name, 0]]
+    try:
+        outs = [run.finish() for run in runs]
+    finally:
+        for run in runs:  # a launcher left waiting for its peer would wait until killed
+            run.kill()
+    for run in runs:
+        stderr = (run.workdir / "stderr").read_text()
+        assert not re.search(CLEAN_STDERR, stderr), stderr
+    hybrid_out, full_out = outs[0] + outs[1], outs[2]
+    assert "world 4" in hybrid_out and "world 4" in full_out
+    shared, full = runs[0].workdir.parent, runs[2].workdir
+    ours, theirs = validation_loss(shared, HYBRID_TINY), validation_loss(full, HYBRID_TINY)
+    assert abs(ours - theirs) <= HYBRID_RTOL * theirs, (ours, theirs)
+    for out, loss in ((hybrid_out, ours), (full_out, theirs)):  # the runs' own last evaluation
+        (printed,), = rows(r"^validation loss\s+[\d.]+ -> ([\d.]+)", out)
+        assert abs(float(printed) - loss) <= 5.1e-5, (printed, loss)
+    state = read_checkpoint(shared / "gpt.ckpt")
+    assert (state["world_size"], state["step"]) == (4, 4)
