@@ -1,0 +1,81 @@
+"""recipes/train_offload.py in one process (world 1): its build and steps on disk equal its --in-memory run
+bitwise, and it prints the memory budget it chose and why."""
+
+import math
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from harness import run
+
+RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
+TINY = (2, 64, 4)  # layers, width, heads: the recipe's GPT at a size a test trains in a second
+
+
+def _recipe():
+    """The recipe module, with a tiny preset beside its own."""
+    if RECIPES not in sys.path:
+        sys.path.insert(0, RECIPES)
+    import train_offload
+
+    train_offload.PRESETS.setdefault("tiny", TINY)
+    return train_offload
+
+
+def _store(recipe, tmp, flags):
+    """The recipe's flags parsed from ``flags``, and a store sized by them as the recipe sizes its own."""
+    from parts.offload import DiskStore
+
+    with mock.patch.object(sys, "argv", ["train_offload.py", "--params", "tiny", "--store", tmp, *flags]):
+        args = recipe.parse_args()
+    budget = None if args.memory_budget_gib is None else int(args.memory_budget_gib * 2**30)
+    return args, DiskStore(f"{tmp}/rank{dist.get_rank()}", memory_budget=budget)
+
+
+def body_train(tmp, flags):
+    """Three steps of the recipe's own build and train_step: (losses, state before, state after)."""
+    recipe = _recipe()
+    from chardata import load_splits
+
+    from parts.partition import detach, full_state_dict
+
+    args, store = _store(recipe, tmp, ["--steps", "3", "--lr", "1e-2", *flags])
+    model, optimizer, schedule = recipe.build(args, store)
+    before = {k: v.clone() for k, v in full_state_dict(model).items()}
+    tokens, _ = load_splits(None)
+    gen = torch.Generator().manual_seed(args.seed)
+    losses = [recipe.train_step(model, optimizer, schedule, tokens, gen, args) for _ in range(args.steps)]
+    after = {k: v.clone() for k, v in full_state_dict(model).items()}
+    detach(model)
+    store.close()
+    return losses, before, after
+
+
+def body_budget_rows(tmp, flags):
+    """The rows the recipe prints about its memory budget."""
+    recipe = _recipe()
+    args, store = _store(recipe, tmp, flags)
+    rows = recipe.budget_rows(store, recipe.config_of(args))
+    store.close()
+    return rows
+
+
+def test_world1_on_disk_equals_in_memory(tmp_path):
+    budget = ["--memory-budget-gib", "0.5"]
+    (off_losses, off_before, off_after), = run(1, body_train, str(tmp_path / "off"), budget)
+    (mem_losses, mem_before, mem_after), = run(1, body_train, str(tmp_path / "mem"), [*budget, "--in-memory"])
+    assert off_losses == mem_losses and all(map(math.isfinite, off_losses))  # bitwise
+    assert sorted(off_after) == sorted(mem_after) and sorted(off_before) == sorted(mem_before)
+    assert all(torch.equal(off_after[k], mem_after[k]) for k in mem_after)
+    assert all(torch.equal(off_before[k], mem_before[k]) for k in mem_before)
+    assert not all(torch.equal(off_after[k], off_before[k]) for k in off_before)  # it trained
+
+
+def test_world1_prints_budget_and_why(tmp_path):
+    given = run(1, body_budget_rows, str(tmp_path / "given"), ["--memory-budget-gib", "0.5"])[0]
+    assert given[0] == ("memory budget per rank", "0.50 GiB: given (memory_budget=)"), given
+    default = run(1, body_budget_rows, str(tmp_path / "default"), [])[0]
+    assert "available / 1 local rank(s) (LOCAL_WORLD_SIZE) / 16" in default[0][1], default
