@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 recipes/train_offload.py                 # 1.7B params
     torchrun --standalone --nproc-per-node 2 recipes/train_offload.py --params 350M --steps 8
+    torchrun --standalone --nproc-per-node 1 recipes/train_offload.py --memory-budget-gib 5  # one process
 
 Every rank keeps its parameter shards, their grads and AdamW's two moments in a
 ``parts.offload.DiskStore`` (scratch files under ``--store``, printed at start, removed at exit
@@ -32,7 +33,7 @@ from gpt_model import GPT, GPTConfig
 from offload_timing import CommTimer
 from parts.comm import all_gather_objects, broadcast_object
 from parts.observe import snapshot
-from parts.offload import DiskStore, OffloadedOptimizer
+from parts.offload import DiskStore, OffloadBudget, OffloadedOptimizer, memory_bound
 from parts.partition import attach, partitioned, shards
 
 PRESETS = {  # name: (n_layer, n_embd, n_head); parameters about 12 * n_layer * n_embd**2
@@ -139,10 +140,25 @@ def live_knobs(config: GPTConfig, store: DiskStore) -> dict[str, int]:
                 reduce_bucket_size=max(knobs["reduce_bucket_size"], layer))
 
 
-def budget_rows(store: DiskStore, config: GPTConfig) -> list[tuple[str, str]]:
-    """What the store's memory budget chose, and why."""
+def knobs_bound(config: GPTConfig, store: DiskStore, world: int) -> int:
+    """``plan.memory_bound`` of the knobs this run uses (activations aside): bytes above a rank's baseline."""
     b, knobs = store.budget, live_knobs(config, store)
+    largest = 16 * -(-4 * config.n_embd ** 2 // world)  # an MLP weight's shard: value, grad, two moments
+    return memory_bound(OffloadBudget(
+        knobs["max_live_parameters"], knobs["prefetch_bucket_size"], 4, world, b.chunk_bytes, store.threads,
+        store.block_bytes, store.max_inflight_bytes, store.reuse.capacity, knobs["reduce_bucket_size"],
+        read_ahead=2 * knobs["prefetch_bucket_size"], largest_step_bytes=largest))
+
+
+def budget_rows(store: DiskStore, config: GPTConfig, world: int) -> list[tuple[str, str]]:
+    """What the store's memory budget chose, and why; and whether the knobs' bound keeps within it."""
+    b, knobs, bound = store.budget, live_knobs(config, store), knobs_bound(config, store, world)
+    within = ("within the budget" if bound <= b.memory_budget else
+              "above the budget: whole blocks in the coordinator's windows (one prefetched, two gathered, "
+              "one reduced) and the largest parameter's step are floors its shares do not cover")
     return [("memory budget per rank", f"{b.memory_budget / GiB:.2f} GiB: {b.reason}"),
+            ("  bound of these knobs", f"{bound / GiB:.2f} GiB above the baseline (plan.memory_bound, "
+                                       f"activations aside): {within}"),
             ("  store", f"{store.max_inflight_bytes / 2**20:.0f} MiB in flight, {store.reuse.capacity / 2**20:.0f} MiB "
                         f"reuse pool, {store.threads} x {store.block_bytes / 2**20:.1f} MiB bounce blocks"),
             ("  optimizer chunk", f"{b.chunk_bytes / 2**20:.0f} MiB (three held: read, stepped, written)"),
@@ -223,7 +239,7 @@ def main() -> None:
     directories = all_gather_objects(store.directory)
     if rank == 0:
         print("scratch stores (removed at exit): " + ", ".join(directories), flush=True)
-        print(report.table(budget_rows(store, config_of(args))), flush=True)
+        print(report.table(budget_rows(store, config_of(args), world)), flush=True)
         where = "partitioned() in memory" if args.in_memory else "partitioned(remote_device=store)"
         print(f"store: {store.mode}; building {args.params} under {where}; AdamW lr "
               f"{args.lr or lr_for(config_of(args)):.2e} ({max(args.warmup, 1)}-step warm-up), "

@@ -58,7 +58,7 @@ def body_budget_rows(tmp, flags):
     """The rows the recipe prints about its memory budget."""
     recipe = _recipe()
     args, store = _store(recipe, tmp, flags)
-    rows = recipe.budget_rows(store, recipe.config_of(args))
+    rows = recipe.budget_rows(store, recipe.config_of(args), dist.get_world_size())
     store.close()
     return rows
 
@@ -77,5 +77,6 @@ def test_world1_on_disk_equals_in_memory(tmp_path):
 def test_world1_prints_budget_and_why(tmp_path):
     given = run(1, body_budget_rows, str(tmp_path / "given"), ["--memory-budget-gib", "0.5"])[0]
     assert given[0] == ("memory budget per rank", "0.50 GiB: given (memory_budget=)"), given
+    assert given[1][0] == "  bound of these knobs" and given[1][1].endswith(": within the budget"), given
     default = run(1, body_budget_rows, str(tmp_path / "default"), [])[0]
     assert "available / 1 local rank(s) (LOCAL_WORLD_SIZE) / 16" in default[0][1], default
