@@ -21,6 +21,9 @@ from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, chec
                               global_rank, group_info, is_distributed, is_member, require_distributed,
                               resolve_group)
 from parts.comm.topology import Topology
+from parts.comm.compressed import (Codec, all_gather_quantized, all_reduce_mean_quantized,
+                                   reduce_scatter_quantized)
+from parts.comm.quantize import ErrorFeedback, Quantized, dequantize, quantize
 from parts.comm.work import Waitable, Work, WorkList
 
 __all__ = [
@@ -32,4 +35,6 @@ __all__ = [
     "all_gather_list",
     "new_group", "comm_device", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "Topology", "agree", "RankDisagreement", "fake_world", "block_layout",
+    "Codec", "all_gather_quantized", "reduce_scatter_quantized", "all_reduce_mean_quantized",
+    "ErrorFeedback", "Quantized", "quantize", "dequantize",
 ]

@@ -36,6 +36,7 @@ from parts.partition.core.gather import GatherHandle, gather, gathered, release
 from parts.partition.core.grads import ReduceHandle, reduce_scatter_grads, shards, use_shards
 from parts.partition.core.param import ParamMeta, ParamStatus, is_partitioned, meta
 from parts.partition.core.precision import MixedPrecision
+from parts.partition.core.compression import Compression
 from parts.partition.core.state_dict import full_state_dict, load_full_state_dict
 from parts.partition.interop import (clip_grad_norm_, grad_norm, load_pretrained, num_parameters,
                                      resize_token_embeddings)
@@ -58,7 +59,7 @@ __all__ = [
     "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict",
     "CommCounter", "comm_counter",
     "FetchCoordinator", "attach", "detach", "register_external_parameter", "refresh", "set_replica_sync",
-    "RankDivergence", "CoordinatorStats", "MixedPrecision",
+    "RankDivergence", "CoordinatorStats", "MixedPrecision", "Compression",
     "clip_grad_norm_", "grad_norm", "load_pretrained", "num_parameters", "resize_token_embeddings",
     "compile_blocks", "uncompile_blocks",
 ]

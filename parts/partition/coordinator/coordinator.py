@@ -55,6 +55,7 @@ from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name
 from parts.partition.core import points
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
+from parts.partition.core.compression import Compression, apply_compression, check_compression
 
 _attached = AttachedLookup()
 """Which coordinator hooks a module: a weak lookup for the module-level ``detach(module)`` and
@@ -87,11 +88,13 @@ class FetchCoordinator:
                  overlap_comm: bool = True, debug: bool = False,
                  reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
                  mixed_precision: Optional[MixedPrecision] = None,
-                 sync_buffers: bool = True, fetch_unit_size: int = 5_000_000) -> None:
+                 sync_buffers: bool = True, fetch_unit_size: int = 5_000_000,
+                 compression: Optional[Compression] = None) -> None:
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
                             f"got {type(mixed_precision).__name__}")
         self.group, self.mixed_precision, self.sync_buffers = group, mixed_precision, sync_buffers
+        self.compression = check_compression(compression)  # codes on the wire (core/compression.py)
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
                            reduce_bucket_size, cache_freed_storage, fetch_unit_size)
@@ -111,9 +114,8 @@ class FetchCoordinator:
                                "module; call detach() first or make a new coordinator")
         check_sharded(module, _attached)
         check_group(module, self.group)
-        undo = None
-        if self.mixed_precision is not None:  # compute dtypes on the records: gathers and grads cast
-            undo = apply_mixed_precision(module, self.mixed_precision)
+        precision = apply_mixed_precision(module, self.mixed_precision) if self.mixed_precision else None
+        undo = apply_compression(module, self.compression, precision)  # compute dtypes, codecs on the records
         drop_aborted = weak_method(self._drop_aborted_backward)
         self._state = Attached(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers,
                                undo, weak_method(self._backward_step), drop_aborted)

@@ -32,10 +32,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parts.comm import all_gather_many, comm_counter, reduce_scatter_many
+from parts.comm import all_gather_many, all_gather_quantized, comm_counter, reduce_scatter_many
 from parts.partition.coordinator.plan import collective_bytes
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.core import disk
+from parts.partition.core.compression import compressed_grads, reduce_compressed, weight_codec
 from parts.partition.core.grad_guard import as_grad_shard, internal, raw_grad
 from parts.partition.core.grad_guard import set_raw_grad as _set_grad
 from parts.partition.core.grads import accumulate_into
@@ -118,6 +119,22 @@ class FlatGather:
     def gather(self, how: str) -> None:
         """All-gather every flat shard into the buffer (a new one for INSTALL) in one collective."""
         versions = memory_versions(self.records)  # the shards as sent
+        codec = weight_codec(self.records, self.info)
+        if codec is not None:  # codes of each shard, dequantized straight into the buffer's rows
+            if how == INSTALL:
+                self._allocate()
+            with torch.no_grad():
+                all_gather_quantized([o.view(-1) for o in self._outs], [m.shard.to(self.device) for m in self.records],
+                                     self.info, codec)
+        else:
+            self._gather_full(how)
+        if how == INSTALL:
+            self._place()
+        for m, version in zip(self.records, versions):
+            m.full_version, m.full_codes = version, codec is not None
+
+    def _gather_full(self, how: str) -> None:
+        """The shards (cast to the full dtype) into the buffer's rows by one all-gather."""
         buf = self.scratch()
         rows = buf.view(self.world, -1)
         own = rows[self.info.rank]
@@ -131,10 +148,6 @@ class FlatGather:
             self._allocate()
         all_gather_many([buf], [own], self.info)
         torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=self._outs)
-        if how == INSTALL:
-            self._place()
-        for m, version in zip(self.records, versions):
-            m.full_version = version
 
     def scratch(self) -> torch.Tensor:
         """One kept buffer of ``world * sum(shard_numel)`` elements of the full dtype: the refresh
@@ -233,7 +246,10 @@ class FlatReduce:
         if torch.promote_types(send.dtype, self.reduce_dtype) != self.reduce_dtype:
             send = send.to(self.reduce_dtype)
         recv = alloc(sum(self.sizes), self.reduce_dtype, flat.device)
-        reduce_scatter_many([recv], [send], flat.info, average=True)
+        if compressed_grads(self.records, flat.info):  # one residual for the buffer (its members' grads)
+            reduce_compressed(self.records, [recv], [send], flat.info, [("flat", tuple(self.pids))], True, False)
+        else:
+            reduce_scatter_many([recv], [send], flat.info, average=True)
         self._land(recv)
         mark_pending(self.records)  # a hybrid layout's cross-replica mean follows (core/replicas.py)
 

@@ -73,6 +73,8 @@ class CoordinatorStats:
     ``bytes_by_group``: bytes and calls per process group and kind (``comm_counter.by_group()``
     keys) of every collective of this process since the previous step ended: the step and what
     ran before it (an optimizer step, a hybrid layout's cross-replica all-reduce).
+    ``residual_bytes``: memory of the error-feedback residuals a ``Compression`` with ``grads``
+    keeps (core/compression.py); 0 without one.
     """
 
     steps: int
@@ -100,6 +102,7 @@ class CoordinatorStats:
     persistent_elements: int
     cached_bytes: int
     bytes_by_group: dict = field(default_factory=dict)
+    residual_bytes: int = 0
 
     def __repr__(self) -> str:
         """A few lines: the step's traffic, fetches, memory and trace (``param_gathers`` summarised)."""

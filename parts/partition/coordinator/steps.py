@@ -29,6 +29,7 @@ from parts.partition.coordinator.flat import CURRENT, FALLBACK, INSTALL, REFILL,
 from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.prefetch import Prefetcher
 from parts.partition.coordinator.reads import ReadGuard
+from parts.partition.core.compression import residual_bytes
 from parts.partition.coordinator.stats import CoordinatorStats, StepCounters, freeze
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
@@ -132,7 +133,8 @@ class Steps:
                            trace_digest=digest, trace_misses=self._misses,
                            persistent_params=len(self.table.persistent),
                            persistent_elements=self.table.persistent_elements(),
-                           cached_bytes=pool.cached_bytes if pool else 0)
+                           cached_bytes=pool.cached_bytes if pool else 0,
+                           residual_bytes=residual_bytes(self.table.records.values()))
         self.counters.reset()
 
     def abandon(self, phase: str) -> None:

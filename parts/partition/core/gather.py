@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from parts.base.storage_pool import StoragePool
-from parts.comm import GroupArg, GroupInfo, all_gather_many
+from parts.comm import GroupArg, GroupInfo, all_gather_many, all_gather_quantized
 from parts.partition.core import disk
+from parts.partition.core.compression import weight_codec
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_partitioned, is_stale, metas_sorted, stamp,
                                    wanted_dtype)
@@ -72,18 +73,23 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
     With ``compute`` each shard is cast to its policy's compute dtype *before* the collective,
     so the wire carries (and the full tensor holds) that dtype."""
     sends, fulls, parked = [], [], []
+    codec = weight_codec([m for _, m in pairs], info) if compute else None
     for p, m in pairs:
         current = p.data if m.status is ParamStatus.AVAILABLE else None  # a stale one: refill it
         stamp(m)  # the full tensor will hold the shards as sent now
         dtype = m.full_dtype = wanted_dtype(m, compute)
+        m.full_codes = codec is not None
         if disk.load_for_send(m.shard):
             parked.append(m.shard)
         shard = m.shard
-        sends.append(shard if shard.dtype == dtype and shard.device == m.device
-                     else shard.to(m.device, dtype, non_blocking=True))
+        sent = shard.dtype if codec is not None else dtype  # codes are made from the fp32 master
+        sends.append(shard if shard.dtype == sent and shard.device == m.device
+                     else shard.to(m.device, sent, non_blocking=True))
         full = _full_for(m, pool, dtype, current)
         fulls.append(full if full[0] is not current else (None, full[1]))  # refilled in place: as is
-    work = all_gather_many([flat for _, flat in fulls], sends, info, async_op=async_op)
+    outs = [flat for _, flat in fulls]
+    work = (all_gather_quantized(outs, sends, info, codec, async_op) if codec is not None
+            else all_gather_many(outs, sends, info, async_op=async_op))
 
     def unpack() -> None:
         for shard in parked:
@@ -143,11 +149,12 @@ def gather(params: Iterable[nn.Parameter], group: GroupArg = None, async_op: boo
 
     ``compute``: gather in each param's compute dtype (``MixedPrecision``, set by ``attach``);
     otherwise in the shard's dtype (full precision). A param available in the other dtype is
-    gathered again."""
+    gathered again, and so is one holding a compressed gather's values when ``compute`` is off."""
     pairs = metas_sorted(params)
     info = common_info(pairs, group, "gather")
     todo = [(p, m) for p, m in pairs if m.status is ParamStatus.NOT_AVAILABLE or is_stale(m)
-            or (m.status is ParamStatus.AVAILABLE and m.full_dtype not in (None, wanted_dtype(m, compute)))]
+            or (m.status is ParamStatus.AVAILABLE and m.full_dtype not in (None, wanted_dtype(m, compute)))
+            or (m.status is ParamStatus.AVAILABLE and m.full_codes and not compute)]  # masters wanted
     joined = {id(m.handle): m.handle for _, m in pairs
               if m.status is ParamStatus.INFLIGHT and m.handle is not None}
     handle = GatherHandle([], joined=joined.values())
@@ -181,6 +188,7 @@ def release(params: Iterable[nn.Parameter], free_storage: bool = False,
             _empty_storage(p.data.untyped_storage(), pool)
         p.data = empty_like_released(m.dtype, m.device)
         m.status, m.handle, m.full_dtype, m.in_flat = ParamStatus.NOT_AVAILABLE, None, None, False
+        m.full_codes = False
 
 
 def _owns_storage(data: torch.Tensor, m: ParamMeta) -> bool:

@@ -30,6 +30,7 @@ from torch import nn
 
 from parts.comm import GroupArg, reduce_scatter_many
 from parts.partition.core import disk
+from parts.partition.core.compression import compressed_grads, reduce_compressed
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 from parts.partition.core.replicas import mark_pending
 
@@ -101,7 +102,11 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
         p.grad = None
     recvs = [disk.grad_buffer(m.shard, m.layout.shard_numel, dtype, partial(alloc, device=m.device))
              for _, m in pairs]
-    work = reduce_scatter_many(recvs, sends, info, async_op=async_op, average=average)
+    records = [m for _, m in pairs]
+    if compressed_grads(records, info):  # codes with error feedback, one residual per parameter
+        work = reduce_compressed(records, recvs, sends, info, [m.id for m in records], average, async_op)
+    else:
+        work = reduce_scatter_many(recvs, sends, info, async_op=async_op, average=average)
 
     def finish() -> None:
         for (_, m), part in zip(pairs, recvs):

@@ -97,6 +97,8 @@ class ParamMeta:
     replica: Optional[GroupInfo] = None  # a hybrid layout's replica group: the same shard on each
     # member, its grad shard averaged across them (core/replicas.py)
     replica_pending: bool = False  # the grad shard holds this replica's part only, not yet averaged
+    compression: Any = field(default=None, repr=False)  # an attached Compression's state (core/compression.py)
+    full_codes: bool = False  # the full tensor holds dequantized codes (a compressed gather), not the masters
 
     @property
     def status(self) -> ParamStatus:

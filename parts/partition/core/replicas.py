@@ -25,8 +25,9 @@ from typing import Any, Iterable
 
 import torch
 
-from parts.comm import all_reduce, all_reduce_async, group_key
+from parts.comm import all_reduce, all_reduce_async, all_reduce_mean_quantized, group_key
 from parts.partition.core import disk
+from parts.partition.core.compression import replica_codec
 from parts.partition.core.param import ParamMeta, is_partitioned, meta
 from parts.partition.core.steps import before_each_step
 
@@ -118,10 +119,15 @@ def _all_reduce_mean(items: list[tuple[ParamMeta, torch.Tensor]]) -> None:
     """One all-reduce of the grads of ``items`` (packed), divided by the replica count, copied back."""
     info = items[0][0].replica
     grads = [g for _, g in items]
+    codec = replica_codec(items[0][0])
     with torch.no_grad():
         flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
-        all_reduce(flat, info)
-        flat.div_(info.world_size)
+        if codec is not None:  # as codes, error feedback under the bucket's parameters
+            key = ("replica", tuple(m.id for m, _ in items))
+            all_reduce_mean_quantized(flat, info, codec, items[0][0].compression.feedback, key)
+        else:
+            all_reduce(flat, info)
+            flat.div_(info.world_size)
         off = 0
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))
@@ -140,7 +146,8 @@ class InFlight:
 
     def start(self, records: Iterable[ParamMeta], bucket_numel: int = BUCKET_NUMEL) -> None:
         """Issue the all-reduce of the pending grad shards of ``records`` (no longer pending)."""
-        for chunk in _buckets(_take(records), bucket_numel):
+        plain = [m for m in records if replica_codec(m) is None]  # compressed ones: at the backward's end
+        for chunk in _buckets(_take(plain), bucket_numel):
             info = chunk[0][0].replica
             local = torch.cat([g.reshape(-1) for _, g in chunk])
             summed = local.clone()
