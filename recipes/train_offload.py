@@ -63,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     add("--after-backward", action="store_true",
         help="step the offloaded optimizer after backward (grads to disk and back), not during it")
     add("--seed", type=int, default=1234, help="seed of the weights and the batches")
+    add("--same-batch", action="store_true",
+        help="train every step on step 1's batch (its loss then falls step by step: the optimizer learns)")
     add("--memory-budget-gib", type=float, default=None,
         help="memory per rank the store's windows, the optimizer chunk and the coordinator's live budget "
              "are sized from; None: DiskStore's default (a share of the available memory per local rank)")
@@ -256,6 +258,7 @@ def main() -> None:
     timer, losses = CommTimer(), []
     for step in range(1, args.steps + 1):
         before, comm0, t0 = store.stats.snapshot(), timer.seconds, time.perf_counter()
+        gen = torch.Generator().manual_seed(args.seed + rank) if args.same_batch else gen
         losses.append(train_step(model, optimizer, schedule, tokens, gen, args))
         wall = time.perf_counter() - t0
         rss = all_gather_objects(snapshot().rss_bytes)
