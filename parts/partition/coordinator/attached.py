@@ -20,6 +20,7 @@ from parts.partition.coordinator.live import LiveSet
 from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.prefetch import Prefetcher
 from parts.partition.coordinator.reduce import GradReducer
+from parts.partition.coordinator.secondary import SecondaryShards
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import ModuleCall
 from parts.partition.coordinator.steps import Steps
@@ -34,7 +35,7 @@ class Attached:
     def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg,
                  precision: Optional[MixedPrecision], sync_buffers: bool,
                  undo_precision: Optional[Callable[[], None]], backward_step: Callable,
-                 drop_aborted: Callable[[], None]) -> None:
+                 drop_aborted: Callable[[], None], secondary_group: GroupArg = None) -> None:
         self.root = module
         self._undo_precision = undo_precision
         self.counters = StepCounters()
@@ -42,6 +43,9 @@ class Attached:
         self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group),
                                self.table.param_names)
         self.live = LiveSet(self.table, knobs, group, self.counters)
+        if secondary_group is not None:  # node-local backward gathers
+            self.live.secondary = SecondaryShards.build(list(self.table.records.values()), secondary_group,
+                                                        self.counters)
         self.prefetcher = Prefetcher(self.table, self.live, knobs, self.check, self.counters)
         reduce_dtype = precision.reduce_dtype if precision else torch.float32
         self.flat = FlatGather(self.table)

@@ -75,9 +75,11 @@ class FetchCoordinator:
     ``sync_buffers`` (default True, DDP's ``broadcast_buffers``): rank 0's buffers are broadcast
     at the start of every step in train mode and of the first other step after one
     (``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
+    ``secondary_group`` (a process group of this node's ranks): backward gathers over it alone,
+    from secondary shards kept after forward (ZeRO++ hpZ; secondary.py).
     """
 
-    group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
+    group, secondary_group = WeakGroup(), WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
     (table, live, prefetcher, reducer, check, counters, steps, flat_grads, flat_ids, frozen, watch,
      _undo_precision, _checker, _hooks, _grad_hooks, _unhooked, _stack, _bwd_phase, _bwd_creates_graph,
      _units, _running) = (Through() for _ in range(21))  # the attached state (attached.py), read through
@@ -89,11 +91,12 @@ class FetchCoordinator:
                  reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
                  mixed_precision: Optional[MixedPrecision] = None,
                  sync_buffers: bool = True, fetch_unit_size: int = 5_000_000,
-                 compression: Optional[Compression] = None) -> None:
+                 secondary_group: GroupArg = None, compression: Optional[Compression] = None) -> None:
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
                             f"got {type(mixed_precision).__name__}")
         self.group, self.mixed_precision, self.sync_buffers = group, mixed_precision, sync_buffers
+        self.secondary_group = secondary_group
         self.compression = check_compression(compression)  # codes on the wire (core/compression.py)
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
@@ -118,7 +121,7 @@ class FetchCoordinator:
         undo = apply_compression(module, self.compression, precision)  # compute dtypes, codecs on the records
         drop_aborted = weak_method(self._drop_aborted_backward)
         self._state = Attached(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers,
-                               undo, weak_method(self._backward_step), drop_aborted)
+                               undo, weak_method(self._backward_step), drop_aborted, self.secondary_group)
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
                 self._hook(index)

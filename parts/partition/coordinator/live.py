@@ -25,6 +25,7 @@ from parts.partition.core.param import ParamStatus, is_stale, wanted_dtype
 
 if TYPE_CHECKING:
     from parts.partition.coordinator.flat import FlatGather
+    from parts.partition.coordinator.secondary import SecondaryShards
 
 _NOT_AVAILABLE = ParamStatus.NOT_AVAILABLE
 _AVAILABLE = ParamStatus.AVAILABLE
@@ -50,6 +51,7 @@ class LiveSet:
         self.pool: Optional[StoragePool] = StoragePool() if knobs.cache_freed_storage else None
         self.forwards = self.backwards = 0  # passes begun (a gather is counted against one)
         self._pass_gathers: dict[tuple, int] = {}
+        self.secondary: Optional["SecondaryShards"] = None  # node-local backward gathers (secondary.py)
 
     # ---------------------------------------------------------------------- gathers
     def resident(self, pid: int) -> bool:
@@ -65,11 +67,22 @@ class LiveSet:
             return
         kinds = dict(zip(ids, kind)) if isinstance(kind, list) else {}
         fresh = [pid for pid in todo if recs[pid].status is _NOT_AVAILABLE]
+        near = self._from_secondary(fresh)
         for pid in fresh:
-            self._note_gathered(pid, self._pass_key(kinds.get(pid, kind)))
-        if fresh:
-            self.counters.allgather_calls += 1
-        gather(self.table.select(todo), self.group, async_op=async_op, pool=self.pool, compute=True)
+            self._note_gathered(pid, self._pass_key(kinds.get(pid, kind)), pid in near)
+        self.counters.allgather_calls += bool(near) + bool(len(fresh) > len(near))
+        if near:  # over the node group; the others (and joins of in-flight ones) over the shard group
+            self.secondary.gather(near, self.table.select(near), async_op, self.pool)
+            todo = [pid for pid in todo if pid not in near]
+        if todo:
+            gather(self.table.select(todo), self.group, async_op=async_op, pool=self.pool, compute=True)
+
+    def _from_secondary(self, fresh: list[int]) -> list[int]:
+        """The ids among ``fresh`` to gather from their secondary shards, sorted (the same on every rank)."""
+        store = self.secondary
+        if store is None or not store.kept or not fresh:
+            return []
+        return sorted(pid for pid in fresh if store.usable(pid, self.table.records[pid]))
 
     def _pass_key(self, kind: str) -> tuple:
         """The pass a gather serves: this backward, this forward, or the next backward."""
@@ -77,10 +90,10 @@ class LiveSet:
             return BACKWARD, self.backwards
         return (FORWARD, self.forwards) if kind == FORWARD else (BACKWARD, self.backwards + 1)
 
-    def _note_gathered(self, pid: int, pass_key: tuple) -> None:
+    def _note_gathered(self, pid: int, pass_key: tuple, near: bool = False) -> None:
         m = self.table.records[pid]
-        self.counters.gathered(pid, collective_bytes(m.layout.shard_numel, m.world_size,
-                                                      wanted_dtype(m, True).itemsize))
+        self.counters.gathered(pid, self.secondary.wire_bytes(pid) if near else collective_bytes(
+            m.layout.shard_numel, m.world_size, wanted_dtype(m, True).itemsize))
         self._count_pass(pid, pass_key)
         if pid not in self.table.persistent and pid not in self.live:
             self.live[pid] = m.numel
@@ -107,6 +120,8 @@ class LiveSet:
     def grad_complete(self, pid: int, step: Optional[StepState]) -> None:
         """``pid``'s last backward use is over: drop the backward's holds, release it if idle."""
         held = self.backward_uses.pop(pid, 0)
+        if self.secondary is not None:
+            self.secondary.drop([pid])
         if held:
             self.uses[pid] -= held
             self.settle([pid], step)
@@ -114,6 +129,8 @@ class LiveSet:
     def backward_done(self, ids: Iterable[int], step: Optional[StepState]) -> None:
         """One backward use of ``ids`` (frozen: no grad to complete) is over: drop its hold, release if idle."""
         ids = [pid for pid in dict.fromkeys(ids) if self.backward_uses.get(pid)]
+        if self.secondary is not None:
+            self.secondary.drop(ids)
         for pid in ids:
             self.backward_uses[pid] -= 1
             self.uses[pid] -= 1
@@ -138,6 +155,8 @@ class LiveSet:
         for pid, held in self.backward_uses.items():
             self.uses[pid] -= held
         self.backward_uses.clear()
+        if self.secondary is not None:
+            self.secondary.drop_all()
 
     def done_with(self, ids: Sequence[int], step: Optional[StepState]) -> None:
         """A forward that held ``ids`` returned: drop its holds, release the idle ones."""
@@ -186,12 +205,17 @@ class LiveSet:
                 if step is not None and step.horizon is not None:
                     step.recheck.add(pid)
         if params:
+            if self.secondary is not None and _before_backward(step):
+                for p in params:  # the next gather of the step comes from the node (secondary.py)
+                    self.secondary.keep(self.table.pid(p), p)
             release(params, free_storage=True, pool=self.pool)
 
     def end_step(self) -> None:
         """Release every idle parameter; the per-pass gather counts start over."""
         self.release(self.idle())
         self._pass_gathers.clear()
+        if self.secondary is not None:
+            self.secondary.drop_all()
 
     # ------------------------------------------------------------------- persistent
     def persistent_to_gather(self, ids: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -233,3 +257,10 @@ class LiveSet:
         held = [pid for pid in self.table.params if self.resident(pid)]
         release(self.table.select(held))
         self.pool = None
+        if self.secondary is not None:
+            self.secondary.close()
+
+
+def _before_backward(step: Optional[StepState]) -> bool:
+    """True in a forward of a step that computes grads (its backward may gather again)."""
+    return step is not None and not step.phase.endswith("/no_grad") and not in_backward()

@@ -34,6 +34,8 @@ class StepCounters:
     persistent_gathers: int = 0
     live_high_water: int = 0
     param_gathers: dict = field(default_factory=dict)
+    secondary_bytes: int = 0
+    secondary_params: int = 0
     ledger_mark: dict = field(default_factory=comm_counter.by_group)  # the ledger when the last step ended
 
     def reset(self) -> None:
@@ -75,6 +77,9 @@ class CoordinatorStats:
     ran before it (an optimizer step, a hybrid layout's cross-replica all-reduce).
     ``residual_bytes``: memory of the error-feedback residuals a ``Compression`` with ``grads``
     keeps (core/compression.py); 0 without one.
+    ``secondary_bytes``: with ``secondary_group`` (secondary.py), the most bytes of secondary
+    shards held at once during the step (all are freed by its end); ``secondary_params``:
+    parameters gathered from them over the node group.
     """
 
     steps: int
@@ -103,6 +108,8 @@ class CoordinatorStats:
     cached_bytes: int
     bytes_by_group: dict = field(default_factory=dict)
     residual_bytes: int = 0
+    secondary_bytes: int = 0
+    secondary_params: int = 0
 
     def __repr__(self) -> str:
         """A few lines: the step's traffic, fetches, memory and trace (``param_gathers`` summarised)."""

@@ -30,7 +30,7 @@ from parts.comm import GroupArg, GroupInfo, all_gather_many, all_gather_quantize
 from parts.partition.core import disk
 from parts.partition.core.compression import weight_codec
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
-                                   internal, is_partitioned, is_stale, metas_sorted, stamp,
+                                   internal, is_partitioned, is_stale, meta, metas_sorted, stamp,
                                    wanted_dtype)
 from parts.partition.core.sharding import reshard
 
@@ -68,23 +68,28 @@ class GatherHandle:
 
 
 def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[StoragePool],
-            joined: Iterable[GatherHandle], compute: bool) -> GatherHandle:
+            joined: Iterable[GatherHandle], compute: bool,
+            sources: Optional[list[torch.Tensor]] = None) -> GatherHandle:
     """Start the all-gather of every shard straight into its full tensor; the handle finishes.
     With ``compute`` each shard is cast to its policy's compute dtype *before* the collective,
-    so the wire carries (and the full tensor holds) that dtype."""
+    so the wire carries (and the full tensor holds) that dtype. ``sources``: what each rank
+    sends instead of its shard (``gather_from``)."""
     sends, fulls, parked = [], [], []
-    codec = weight_codec([m for _, m in pairs], info) if compute else None
-    for p, m in pairs:
+    codec = weight_codec([m for _, m in pairs], info) if compute and sources is None else None
+    for k, (p, m) in enumerate(pairs):
         current = p.data if m.status is ParamStatus.AVAILABLE else None  # a stale one: refill it
         stamp(m)  # the full tensor will hold the shards as sent now
         dtype = m.full_dtype = wanted_dtype(m, compute)
         m.full_codes = codec is not None
-        if disk.load_for_send(m.shard):
-            parked.append(m.shard)
-        shard = m.shard
-        sent = shard.dtype if codec is not None else dtype  # codes are made from the fp32 master
-        sends.append(shard if shard.dtype == sent and shard.device == m.device
-                     else shard.to(m.device, sent, non_blocking=True))
+        if sources is not None:
+            sends.append(sources[k])
+        else:
+            if disk.load_for_send(m.shard):
+                parked.append(m.shard)
+            shard = m.shard
+            sent = shard.dtype if codec is not None else dtype  # codes are made from the fp32 master
+            sends.append(shard if shard.dtype == sent and shard.device == m.device
+                         else shard.to(m.device, sent, non_blocking=True))
         full = _full_for(m, pool, dtype, current)
         fulls.append(full if full[0] is not current else (None, full[1]))  # refilled in place: as is
     outs = [flat for _, flat in fulls]
@@ -166,6 +171,40 @@ def gather(params: Iterable[nn.Parameter], group: GroupArg = None, async_op: boo
         handle.wait()
         return None
     return handle
+
+
+@internal
+def gather_from(params: list[nn.Parameter], sources: list[torch.Tensor], info: GroupInfo,
+                async_op: bool = False, pool: Optional[StoragePool] = None) -> Optional[GatherHandle]:
+    """Make the released ``params`` full (in their compute dtype) from ``sources[k]``, this rank's
+    block of ``params[k]``'s padded full tensor over ``info``, a subgroup whose members hold the
+    other blocks (the coordinator's node-local secondary shards): one group of all-gathers, in
+    the order given (the same on every member); the full tensors hold the bytes ``gather`` gives."""
+    pairs = [(p, meta(p)) for p in params]
+    for _, m in pairs:
+        if m.status is not ParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"gather_from: {m.describe()} is {m.status.value}, not released")
+    handle = _launch(pairs, info, async_op, pool, (), True, sources)
+    for _, m in pairs:
+        m.status, m.handle = ParamStatus.INFLIGHT, handle
+    if not async_op:
+        handle.wait()
+        return None
+    return handle
+
+
+@internal
+def padded_full(p: nn.Parameter) -> Optional[torch.Tensor]:
+    """The 1-D padded full tensor (``world_size * shard_numel`` elements) a gather filled for ``p``,
+    None if ``p`` is not gathered or its data is not that tensor (a flat buffer's view)."""
+    m = meta(p)
+    if m.status is not ParamStatus.AVAILABLE or not _owns_storage(p.data, m):
+        return None
+    padded = m.world_size * m.layout.shard_numel
+    storage = p.data.untyped_storage()
+    if storage.nbytes() < padded * p.data.element_size():
+        return None
+    return torch.empty(0, dtype=p.data.dtype, device=p.data.device).set_(storage, 0, (padded,))
 
 
 @internal
