@@ -323,6 +323,26 @@ def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True
     record.store.write(record.grad_key, part.detach().reshape(t.shape).contiguous())
 
 
+def takes_grad(t: torch.Tensor) -> bool:
+    """True if a taker (a step during backward) receives ``t``'s landing grads instead of the store."""
+    record = parked(t)
+    return record is not None and _grad_record(record).on_grad is not None
+
+
+def grad_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype of ``t``'s grad in the store (None: no grad stored)."""
+    record = parked(t)
+    return None if record is None else _grad_record(record).grad_dtype
+
+
+def write_grad(t: torch.Tensor, values: torch.Tensor) -> IOHandle:
+    """Store ``values`` (``t``'s numel, contiguous) as ``t``'s grad, replacing it (no taker sees it);
+    keep ``values`` unchanged until the handle is waited."""
+    record = _grad_record(parked(t))
+    record.grad_dtype = values.dtype
+    return record.store.write(record.grad_key, values.detach().reshape(t.shape))
+
+
 def has_grad(t: torch.Tensor) -> bool:
     """True if a gradient of ``t`` is in the store."""
     record = parked(t)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from parts.offload import parking
+from parts.offload._fileio import ALIGN
 from parts.offload.lease import Stored, stored_of_parked
 from parts.offload.store import DiskStore
 
@@ -131,6 +132,45 @@ def overwrite(t: torch.Tensor, values: torch.Tensor) -> None:
 def has_grad(t: torch.Tensor) -> bool:
     """True if parked ``t`` has a grad in the store."""
     return parking.has_grad(t)
+
+
+def takes_grads(shard: torch.Tensor) -> bool:
+    """True if a step during backward takes ``shard``'s grads as they land (they skip the store)."""
+    return parking.takes_grad(shard)
+
+
+def grad_dtype(shard: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype of parked ``shard``'s stored grad (None: none stored, or not parked)."""
+    return parking.grad_dtype(shard)
+
+
+def store_of_parked(shard: torch.Tensor) -> DiskStore:
+    """The store a parked shard lives in."""
+    return parking.parked(shard).store
+
+
+def read_grads(shards: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stored grads of parked ``shards`` (one dtype) read into one zeroed buffer, each at an
+    ``ALIGN``-aligned offset (direct IO moves it in place): ``(buffer, each grad's view of it)``."""
+    dtype = parking.grad_dtype(shards[0])
+    step = max(1, ALIGN // dtype.itemsize)
+    offsets, total = [], 0
+    for s in shards:
+        offsets.append(total)
+        total += -(-s.numel() // step) * step
+    flat = parking.empty_for_io((total,), dtype).zero_()
+    views = [flat.narrow(0, off, s.numel()) for off, s in zip(offsets, shards)]
+    handles = [parking.load_grad(s, lambda shape, dtype, v=v: v.view(shape))[1] for s, v in zip(shards, views)]
+    for handle in handles:
+        handle.wait()
+    return flat, views
+
+
+def write_grads(shards: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Store ``grads`` as the grads of parked ``shards`` (replacing them), all written when it returns."""
+    handles = [parking.write_grad(s, g) for s, g in zip(shards, grads)]
+    for handle in handles:
+        handle.wait()
 
 
 def read_grad(t: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from parts.comm import GroupArg, reduce_scatter_many
 from parts.partition.core import disk
 from parts.partition.core.compression import compressed_grads, reduce_compressed
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
-from parts.partition.core.replicas import mark_pending
+from parts.partition.core.replicas import before_landing
 
 _FULL_PRECISION = (torch.float32,)
 
@@ -123,7 +123,7 @@ def accumulate_into(m: Any, part: torch.Tensor, accumulate: bool) -> None:
     """Add (or copy) ``part`` into the grad shard; ``part`` becomes the grad shard if there is none.
     In a hybrid layout the grad shard then awaits its cross-replica all-reduce (core/replicas.py)."""
     if m.replica is not None:
-        mark_pending([m])
+        part, accumulate = before_landing(m, part, accumulate)
     if disk.accumulate_grad(m.shard, part, accumulate):
         return
     current = m.grad_shard

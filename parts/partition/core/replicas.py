@@ -16,6 +16,15 @@ Bucketed: the pending grad shards of one replica group, dtype and device are pac
 buckets of at most ``bucket_numel`` elements, one all-reduce each, in record-id order (the
 same on every member of the group). Replicas stay bitwise identical: an all-reduce gives
 every member the same sums.
+
+Grad shards kept in a ``DiskStore`` (shards on disk: ``partitioned(remote_device=DiskStore(...))``)
+are pending in ``_stored``: at the sync each bucket is read from the store into one buffer,
+all-reduced, divided and written back, a bucket being at most the store's reduce share of its
+memory budget (the full grads awaiting reduce-scatter, which hold that memory in backward, are
+gone by then). A grad that a step during backward takes as it lands
+(``OffloadedOptimizer.step_in_backward``) is averaged right there (``before_landing``), with the
+sum of earlier micro-batches it is added to: the step must see the mean. Those landings come at
+the same point of every replica's backward, so the replicas' all-reduces meet.
 """
 
 from __future__ import annotations
@@ -37,15 +46,36 @@ BUCKET_NUMEL = 25_000_000
 _pending: "weakref.WeakSet[ParamMeta]" = weakref.WeakSet()
 """Records whose grad shard awaits its cross-replica all-reduce. Process-wide because the
 optimizer step hook that drains it is; it configures nothing and forgets records that are gone."""
+_stored: "weakref.WeakSet[ParamMeta]" = weakref.WeakSet()
+"""Records whose grad shard in a ``DiskStore`` awaits it (apart: never overlapped with backward)."""
 
 
 def mark_pending(records: Iterable[ParamMeta]) -> None:
     """Note that these records' grad shards received a replica-local part (no-op without replicas)."""
     for m in records:
         if m.replica is not None:
-            m.replica_pending = True
-            _pending.add(m)
+            if disk.parked_version(m.shard) is not None:
+                _stored.add(m)
+            else:
+                m.replica_pending = True
+                _pending.add(m)
             before_each_step(_before_optimizer_step)
+
+
+def before_landing(m: ParamMeta, part: torch.Tensor, accumulate: bool) -> tuple[torch.Tensor, bool]:
+    """``(part, accumulate)`` to add into ``m``'s grad shard, which is then pending; for a step during
+    backward that takes the grad as it lands: the mean across replicas of it plus the stored sum
+    of earlier micro-batches (``accumulate`` False: nothing is left to add)."""
+    if not disk.takes_grads(m.shard):
+        mark_pending([m])
+        return part, accumulate
+    _stored.discard(m)
+    if accumulate and disk.has_grad(m.shard):
+        stored = disk.read_grad(m.shard)
+        part = stored.add_(part.reshape(stored.shape)).reshape(-1)
+        disk.clear_grad(m.shard)
+    _mean(part, [m])
+    return part, False
 
 
 def pending_now() -> list[ParamMeta]:
@@ -58,7 +88,7 @@ def pending_records(params: Iterable[Any]) -> list[ParamMeta]:
     out = []
     for p in params:
         m = p if isinstance(p, ParamMeta) else (meta(p) if is_partitioned(p) else None)
-        if m is not None and m.replica_pending:
+        if m is not None and (m.replica_pending or m in _stored):
             out.append(m)
     return out
 
@@ -67,9 +97,30 @@ def sync_replica_grads(records: Iterable[ParamMeta], bucket_numel: int = BUCKET_
     """All-reduce (mean) the pending grad shards of ``records`` across their replica groups;
     returns how many were synced. Every member of a replica group must call it with the same
     records (the same optimizer, the same model)."""
+    records = list(records)
     todo = _take(records)
     for chunk in _buckets(todo, bucket_numel):
         _all_reduce_mean(chunk)
+    return len(todo) + _sync_stored(records, bucket_numel)
+
+
+def _sync_stored(records: list[ParamMeta], bucket_numel: int) -> int:
+    """The cross-replica mean of the pending grad shards of ``records`` kept in a ``DiskStore``, in
+    id order, buckets of one replica group and grad dtype within the store's reduce share."""
+    todo = sorted({id(m): m for m in records if m in _stored}.values(), key=lambda m: m.id)
+    groups: dict[tuple, list[tuple[ParamMeta, int]]] = {}
+    for m in todo:
+        _stored.discard(m)
+        if disk.has_grad(m.shard):
+            key = (group_key(m.replica), disk.grad_dtype(m.shard), id(disk.store_of_parked(m.shard)))
+            groups.setdefault(key, []).append((m, m.layout.shard_numel))
+    for (_, dtype, _), items in groups.items():
+        limit = min(bucket_numel, disk.store_of_parked(items[0][0].shard).budget.reduce_bytes // dtype.itemsize)
+        for run in _chunks(items, max(1, limit)):
+            shards = [m.shard for m, _ in run]
+            flat, segments = disk.read_grads(shards)  # one buffer: a single all-reduce
+            _mean(flat, [m for m, _ in run])
+            disk.write_grads(shards, segments)
     return len(todo)
 
 
@@ -95,17 +146,16 @@ def _buckets(todo: list[ParamMeta], bucket_numel: int) -> Iterable[list[tuple[Pa
 
 
 def _grad_of(m: ParamMeta) -> Any:
-    if disk.has_grad(m.shard):
-        raise NotImplementedError(f"parts.partition: {m.describe()} keeps its grad shard in a DiskStore; "
-                                  "hybrid layouts (replicate_group=) average grad shards in memory")
-    return m.grad_shard
+    """``m``'s grad shard in memory (a stored one is averaged by ``_sync_stored``)."""
+    return None if disk.has_grad(m.shard) else m.grad_shard
 
 
 def _chunks(items: list, limit: int) -> Iterable[list]:
-    """``items`` in runs of at most ``limit`` elements (one larger grad is a run of its own)."""
+    """``items`` (``(record, grad or its numel)``) in runs of at most ``limit`` elements (one larger
+    grad is a run of its own)."""
     run, size = [], 0
     for item in items:
-        n = item[1].numel()
+        n = item[1] if isinstance(item[1], int) else item[1].numel()
         if run and size + n > limit:
             yield run
             run, size = [], 0
@@ -115,19 +165,24 @@ def _chunks(items: list, limit: int) -> Iterable[list]:
         yield run
 
 
-def _all_reduce_mean(items: list[tuple[ParamMeta, torch.Tensor]]) -> None:
-    """One all-reduce of the grads of ``items`` (packed), divided by the replica count, copied back."""
-    info = items[0][0].replica
-    grads = [g for _, g in items]
-    codec = replica_codec(items[0][0])
+def _mean(flat: torch.Tensor, records: list[ParamMeta]) -> None:
+    """``flat`` (the packed grads of ``records``, one replica group) replaced by its mean across replicas."""
+    info, codec = records[0].replica, replica_codec(records[0])
     with torch.no_grad():
-        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
         if codec is not None:  # as codes, error feedback under the bucket's parameters
-            key = ("replica", tuple(m.id for m, _ in items))
-            all_reduce_mean_quantized(flat, info, codec, items[0][0].compression.feedback, key)
+            key = ("replica", tuple(m.id for m in records))
+            all_reduce_mean_quantized(flat, info, codec, records[0].compression.feedback, key)
         else:
             all_reduce(flat, info)
             flat.div_(info.world_size)
+
+
+def _all_reduce_mean(items: list[tuple[ParamMeta, torch.Tensor]]) -> None:
+    """One all-reduce of the grads of ``items`` (packed), divided by the replica count, copied back."""
+    grads = [g for _, g in items]
+    with torch.no_grad():
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        _mean(flat, [m for m, _ in items])
         off = 0
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))
@@ -173,9 +228,9 @@ class InFlight:
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """Sync the pending grad shards among the tensors ``optimizer`` steps (its shards)."""
-    if not _pending:
+    if not _pending and not _stored:
         return
     held = {id(t) for group in optimizer.param_groups for t in group["params"]}
-    mine = [m for m in list(_pending) if id(m.shard) in held]
+    mine = [m for m in [*_pending, *_stored] if id(m.shard) in held]
     if mine:
         sync_replica_grads(mine)
