@@ -124,7 +124,8 @@ class CoordinatorStats:
                 f"{len(self.param_gathers)} params\n"
                 f"  live high-water {self.live_high_water:,} elements, persistent "
                 f"{self.persistent_params} params / {self.persistent_elements:,} elements "
-                f"({self.persistent_gathers} gathers), cached {self.cached_bytes:,} B\n"
+                f"({self.persistent_gathers} gathers), cached {self.cached_bytes:,} B\n  secondary shards "
+                f"{self.secondary_bytes:,} B at most ({self.secondary_params} params gathered from them)\n"
                 f"  trace {self.trace_outcome}, {self.trace_events} events, {self.trace_misses} misses, "
                 f"digest {self.trace_digest[:12]})")
 
