@@ -335,6 +335,23 @@ def grad_dtype(t: torch.Tensor) -> Optional[torch.dtype]:
     return None if record is None else _grad_record(record).grad_dtype
 
 
+def load_grads(ts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stored grads of ``ts`` (one dtype) read into one zeroed buffer, each at an ``ALIGN``-aligned
+    offset (direct IO fills it in place): ``(buffer, each grad's flat view of it)``."""
+    dtype = grad_dtype(ts[0])
+    step = max(1, ALIGN // dtype.itemsize)
+    offsets, total = [], 0
+    for t in ts:
+        offsets.append(total)
+        total += -(-t.numel() // step) * step
+    flat = empty_for_io((total,), dtype).zero_()
+    views = [flat.narrow(0, off, t.numel()) for off, t in zip(offsets, ts)]
+    handles = [load_grad(t, lambda shape, dtype, v=v: v.view(shape))[1] for t, v in zip(ts, views)]
+    for handle in handles:
+        handle.wait()
+    return flat, views
+
+
 def write_grad(t: torch.Tensor, values: torch.Tensor) -> IOHandle:
     """Store ``values`` (``t``'s numel, contiguous) as ``t``'s grad, replacing it (no taker sees it);
     keep ``values`` unchanged until the handle is waited."""

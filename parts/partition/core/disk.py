@@ -33,7 +33,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from parts.offload import parking
-from parts.offload._fileio import ALIGN
 from parts.offload.lease import Stored, stored_of_parked
 from parts.offload.store import DiskStore
 
@@ -150,20 +149,9 @@ def store_of_parked(shard: torch.Tensor) -> DiskStore:
 
 
 def read_grads(shards: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The stored grads of parked ``shards`` (one dtype) read into one zeroed buffer, each at an
-    ``ALIGN``-aligned offset (direct IO moves it in place): ``(buffer, each grad's view of it)``."""
-    dtype = parking.grad_dtype(shards[0])
-    step = max(1, ALIGN // dtype.itemsize)
-    offsets, total = [], 0
-    for s in shards:
-        offsets.append(total)
-        total += -(-s.numel() // step) * step
-    flat = parking.empty_for_io((total,), dtype).zero_()
-    views = [flat.narrow(0, off, s.numel()) for off, s in zip(offsets, shards)]
-    handles = [parking.load_grad(s, lambda shape, dtype, v=v: v.view(shape))[1] for s, v in zip(shards, views)]
-    for handle in handles:
-        handle.wait()
-    return flat, views
+    """The stored grads of parked ``shards`` (one dtype) read into one zeroed buffer (one all-reduce
+    for all): ``(buffer, each grad's view of it)``."""
+    return parking.load_grads(shards)
 
 
 def write_grads(shards: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
