@@ -37,12 +37,13 @@ def _policy(spec):
     return None if spec is None else Compression(**spec)
 
 
-def _train(kind: str, spec, steps: int = STEPS, persistence: int = 100, precision: bool = False):
+def _train(kind: str, spec, steps: int = STEPS, persistence: int = 100, precision: bool = False,
+           sync: str = "step"):
     """SGD on this rank's rows: the full state (every rank), the losses, the ledger since the start."""
     import torch.distributed as dist
     from parts.comm import comm_counter
     from parts.comm.counter import ledger_since
-    from parts.partition import MixedPrecision, attach, full_state_dict, partitioned, shards
+    from parts.partition import MixedPrecision, attach, full_state_dict, partitioned, set_replica_sync, shards
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100)
     with partitioned(**_layout(kind)):
@@ -50,6 +51,8 @@ def _train(kind: str, spec, steps: int = STEPS, persistence: int = 100, precisio
     knobs = {"compression": _policy(spec)} if spec != "absent" else {}
     coordinator = attach(model, persistence_threshold=persistence,
                          mixed_precision=MixedPrecision() if precision else None, **knobs)
+    if kind == "hybrid":
+        set_replica_sync(coordinator, sync)
     opt = torch.optim.SGD(shards(model), lr=LR)
     before, losses = comm_counter.by_group(), []
     for x, y in _batches(steps, 4 * world):
@@ -163,8 +166,10 @@ def test_error_feedback_keeps_the_sum_of_the_true_grads_up_to_the_residuals_on_e
 def test_hybrid_replicas_stay_identical_the_cross_replica_mean_travels_as_codes():
     off = run(4, _train, "hybrid", None, persistence=0)
     on = run(4, _train, "hybrid", {"grads": "int8", "on": "replicas"}, persistence=0)
+    at_backward = run(4, _train, "hybrid", {"grads": "int8", "on": "replicas"}, persistence=0, sync="backward")
     for rank in range(1, 4):
         assert all(torch.equal(on[rank][0][k], on[0][0][k]) for k in on[0][0])
+    assert all(torch.equal(at_backward[0][0][k], on[0][0][k]) for k in on[0][0])  # the same means, sooner
     for k in off[0][0]:
         torch.testing.assert_close(on[0][0][k], off[0][0][k], rtol=0, atol=2e-2)
     shard_group, replica_group = "0,1", "0,2"
