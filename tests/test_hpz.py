@@ -195,19 +195,27 @@ def test_a_hybrid_layout_is_left_as_it_is_and_two_hop_gathers_cross_nodes_half_a
         assert 2 * _allgather(both["ledger"], across) == _allgather(two_hop["ledger"], across) > 0
 
 
-def _bad_node_groups() -> str:
+def _refused(layout: dict, node_ranks: list) -> str:
     import torch.distributed as dist
     from parts.partition import attach, partitioned
-    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # across the nodes, not within
-    with partitioned():
+    groups = {tuple(ranks): dist.new_group(ranks) for ranks in node_ranks}  # every rank makes every group
+    mine = next(g for ranks, g in groups.items() if dist.get_rank() in ranks)
+    with partitioned(**layout):
         model = TinyLM()
     try:
-        attach(model, secondary_group=columns[dist.get_rank() % 2], **KNOBS)
+        attach(model, secondary_group=mine, **KNOBS)
     except ValueError as e:
         return str(e)
     return "no error"
 
 
-def test_node_groups_that_are_not_blocks_of_consecutive_ranks_are_refused_on_every_rank():
-    for message in run(4, _bad_node_groups):
-        assert "secondary_group" in message and "[0, 1, 2, 3]" in message and "[0, 2]" in message
+def _bad_node_groups() -> tuple[str, str]:
+    across = _refused({}, [[0, 2], [1, 3]])  # the groups across the nodes, not within
+    return across, _refused(_hybrid_layout(), [[0, 3], [1, 2]])  # not within the shard group
+
+
+def test_node_groups_that_are_not_blocks_of_the_shard_group_are_refused_on_every_rank_naming_them():
+    for rank, (across, outside) in enumerate(run(4, _bad_node_groups)):
+        assert "secondary_group" in across and "[0, 1, 2, 3]" in across and "[0, 2]" in across
+        shard = ("[0, 1]", "[2, 3]")[rank // 2]
+        assert f"shard group (global ranks {shard})" in outside and "[0, 3]" in outside

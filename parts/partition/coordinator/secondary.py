@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from parts._compat import in_backward
-from parts.comm import GroupArg, GroupInfo, all_gather_objects, group_info, is_distributed
+from parts.comm import GroupArg, GroupInfo, ProcessGroup, all_gather_objects, group_info, is_distributed
 from parts.base.storage_pool import StoragePool
 from parts.partition.core import steps as optimizer_steps
 from parts.partition.core.gather import GatherHandle, gather_from, padded_full
@@ -74,6 +74,9 @@ class SecondaryShards:
               counters: StepCounters) -> Optional["SecondaryShards"]:
         """The store for ``secondary_group`` over the shard group of ``records``, None where it
         would change nothing (one node, not distributed); checked and agreed on every rank."""
+        if not isinstance(secondary_group, ProcessGroup):
+            raise TypeError(f"attach(secondary_group=...): takes a process group (this node's ranks, "
+                            f"e.g. torch.distributed.new_group), got {type(secondary_group).__name__}")
         if not records or not is_distributed():
             return None
         shard = records[0].info
