@@ -221,13 +221,18 @@ def test_empty_writes_between_writes_keep_the_key_in_order(tmp_path, direct):
 
 def test_rename_commits_a_staged_key_in_order(store):
     """A write staged under one key and renamed over another (still in flight) is what the
-    other key reads; the staged key is gone and the replaced bytes' file is removed."""
+    other key reads; the staged key is gone and the replaced bytes' file takes the next new key
+    of its size (no new file), without touching the renamed key's bytes."""
     store.write("w", torch.zeros(3000)).wait()
     store.write("w~staged", torch.full((3000,), 5.0))  # not waited: the rename keeps its order
     store.rename("w~staged", "w")
     out = torch.empty(3000)
     store.read("w", out).wait()
     assert torch.equal(out, torch.full((3000,), 5.0)) and "w~staged" not in store
-    assert [n for n in os.listdir(store.directory) if n.endswith(".bin")] == ["00000002.bin"]
+    store.write("w~staged", torch.full((3000,), 7.0))  # the next step's: into the spare file
+    store.rename("w~staged", "w")
+    store.read("w", out).wait()
+    assert torch.equal(out, torch.full((3000,), 7.0))
+    assert sorted(n for n in os.listdir(store.directory) if n.endswith(".bin")) == ["00000001.bin", "00000002.bin"]
     with pytest.raises(KeyError, match="no key 'nope' to rename"):
         store.rename("nope", "w")

@@ -190,3 +190,14 @@ def read_bytes(fd: int, path: str, dst: torch.Tensor, offset: int, scratch: Opti
     """Read ``dst.numel()`` bytes at ``offset`` into the uint8 tensor ``dst`` (direct IO when ``scratch``
     is given); returns bytes copied."""
     return _move(fd, path, dst, offset, scratch, False)
+
+
+def bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
+    """The bytes of contiguous CPU tensor ``t`` as a flat uint8 view; a clear error otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"DiskStore: {what} needs a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"DiskStore: {what} needs a contiguous CPU tensor, got "
+                         f"{'a non-contiguous' if t.device.type == 'cpu' else t.device} tensor {tuple(t.shape)}")
+    flat = t.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat

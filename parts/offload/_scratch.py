@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import tempfile
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -95,6 +96,19 @@ def _owner_gone(directory: str, here: dict[str, Optional[str]]) -> bool:
         return False  # alive, another user's
     now = _start_time(pid)
     return now == "zombie" or (start is not None and now is not None and now != start)
+
+
+def make_dir(path: str) -> str:
+    """A fresh private directory under ``path`` (created if missing) recording its owner; a clear
+    error if impossible."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        directory = tempfile.mkdtemp(prefix=PREFIX, dir=path)
+        write_owner(directory)
+        return directory
+    except OSError as e:
+        raise PermissionError(f"DiskStore: cannot create scratch files under {path!r} "
+                              f"({e.strerror or e}); pass a writable directory") from e
 
 
 def directory_bytes(directory: str) -> int:

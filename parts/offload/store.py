@@ -19,6 +19,11 @@ Beside that, ``reuse`` (a ``StoragePool`` of ``parts.base``) keeps up to ``reuse
 the memory of parked tensors it dropped, for the next load of that size (no page faults in
 the read); of several blocks of one size the oldest serves first.
 
+Files: a ``rename`` over a key keeps the replaced key's file, already allocated, for the next
+new key of its size (a step's staged writes, committed by renames, take the last step's
+files): no ``unlink``, ``open`` or ``fallocate`` on the caller's thread per key and step (an
+unlink on a file system mounted with ``discard`` costs milliseconds). ``delete`` removes the file.
+
 Ordering: operations on one key run in submission order (a read after a write returns the
 written bytes; a read after a failed write raises). A write must not have its source
 modified until its handle is waited. Errors surface at ``wait()`` of the operation's
@@ -30,7 +35,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -85,19 +89,6 @@ def _remove_dir(directory: str, pid: int, queue: IOQueue) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _scratch_dir(path: str) -> str:
-    """A fresh private directory under ``path`` (created if missing) recording its owner; a clear
-    error if impossible."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        directory = tempfile.mkdtemp(prefix=_scratch.PREFIX, dir=path)
-        _scratch.write_owner(directory)
-        return directory
-    except OSError as e:
-        raise PermissionError(f"DiskStore: cannot create scratch files under {path!r} "
-                              f"({e.strerror or e}); pass a writable directory") from e
-
-
 class DiskStore:
     """One rank's scratch store of tensors in files under ``path``; see the module docstring."""
 
@@ -116,7 +107,7 @@ class DiskStore:
         _heap.bound_heap()  # freed transfer buffers leave the process: the memory bound holds
         reuse = StoragePool(self.budget.reuse_bytes if reuse_bytes is None else reuse_bytes, newest_first=False)
         self.path = os.path.abspath(os.fspath(path))
-        self.directory = _scratch_dir(self.path)
+        self.directory = _scratch.make_dir(self.path)
         self.reclaimed_bytes = _scratch.reclaim(self.path, keep=self.directory)  # left by dead owners
         self._watch = _scratch.watch(self.directory)  # removed on SIGTERM
         self._queue = IOQueue(threads, "parts-offload")
@@ -132,7 +123,8 @@ class DiskStore:
         self.reuse = reuse  # memory of dropped parked tensors, for their next loads
         self._meter = Meter(self.stats)
         self._index: dict[str, _Entry] = {}
-        self._files = 0  # files ever created (names are never reused)
+        self._files = 0  # files ever created (a deleted key's name is never reused)
+        self._spare_files: dict[int, list[tuple[str, Optional[Op]]]] = {}  # reserved bytes -> (file, last op)
         self._lock = threading.Condition()
         self._inflight_bytes = 0
         self._errors: list[BaseException] = []
@@ -154,11 +146,10 @@ class DiskStore:
     def write(self, key: str, tensor: torch.Tensor) -> IOHandle:
         """Store ``tensor``'s bytes under ``key`` (replacing them); keep ``tensor`` unchanged until waited."""
         self._check_open("write")
-        src = _bytes_of(tensor, f"write of key {key!r}")
+        src = _fileio.bytes_of(tensor, f"write of key {key!r}")
         entry = self._index.get(key)
         if entry is None:
-            self._files += 1
-            entry = self._index[key] = _Entry(f"{self._files:08d}.bin", 0)
+            entry = self._index[key] = self._new_entry(src.numel())
         self._reserve(entry, src.numel())
         entry.nbytes = src.numel()
         return self._submit(entry, key, src, writing=True)
@@ -170,7 +161,7 @@ class DiskStore:
         entry = self._index.get(key)
         if entry is None:
             raise KeyError(f"DiskStore {self.directory!r}: no key {key!r}")
-        dst = _bytes_of(out, f"read of key {key!r}")
+        dst = _fileio.bytes_of(out, f"read of key {key!r}")
         if dst.numel() != entry.nbytes:
             raise ValueError(f"DiskStore: key {key!r} holds {entry.nbytes} bytes, the output tensor "
                              f"{tuple(out.shape)} {out.dtype} has {dst.numel()}")
@@ -190,8 +181,18 @@ class DiskStore:
             raise KeyError(f"DiskStore {self.directory!r}: no key {src!r} to rename to {dst!r}")
         old = self._index.get(dst)
         self._index[dst] = entry
-        if old is not None:
-            self._unlink(old)
+        if old is not None:  # its file serves the next new key of its size (its pending ops first)
+            self._spare_files.setdefault(old.reserved, []).append((old.file, old.last))
+
+    def _new_entry(self, nbytes: int) -> _Entry:
+        """A new key's entry: a spare file of exactly the space ``nbytes`` needs if there is one
+        (ordered after that file's last operation), else a new file."""
+        spares = self._spare_files.get(round_up(nbytes) if self.direct else nbytes)
+        if spares:
+            file, last = spares.pop()
+            return _Entry(file, 0, round_up(nbytes) if self.direct else nbytes, last)
+        self._files += 1
+        return _Entry(f"{self._files:08d}.bin", 0)
 
     def _unlink(self, entry: _Entry) -> None:
         """Remove ``entry``'s file once its pending operations finished."""
@@ -204,9 +205,8 @@ class DiskStore:
 
     def flush(self) -> None:
         """Wait for every pending operation; raise the first error any of them met."""
-        for entry in list(self._index.values()):
-            if entry.last is not None:
-                entry.last.finished.wait()
+        for last in self._pending():
+            last.finished.wait()
         if self._errors:
             error, self._errors = self._errors[0], []
             raise error
@@ -216,10 +216,10 @@ class DiskStore:
         if not self._open:
             return
         self._open = False
-        for entry in self._index.values():  # each key's last op finishes after all its others
-            if entry.last is not None:
-                entry.last.finished.wait()
+        for last in self._pending():  # each file's last op finishes after all its others
+            last.finished.wait()
         self._index.clear()
+        self._spare_files.clear()
         self.reuse.clear()
         self._finalizer()
         self._watch = None
@@ -240,8 +240,9 @@ class DiskStore:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes the store's files take on disk (reservations included)."""
-        return sum(e.reserved for e in self._index.values())
+        """Bytes the store's files take on disk (reservations and spare files included)."""
+        spare = sum(size * len(files) for size, files in self._spare_files.items())
+        return sum(e.reserved for e in self._index.values()) + spare
 
     @property
     def closed(self) -> bool:
@@ -267,6 +268,11 @@ class DiskStore:
         self.close()
 
     # ----------------------------------------------------------------- internals
+    def _pending(self) -> list[Op]:
+        """The last operation of every file (keys' and spare ones) that has one."""
+        spare = [last for files in self._spare_files.values() for _, last in files]
+        return [op for op in [e.last for e in self._index.values()] + spare if op is not None]
+
     def _forget(self, error: BaseException) -> None:
         """An error its waiter saw is not raised again by ``flush()``."""
         with self._lock:
@@ -377,14 +383,3 @@ class DiskStore:
                 self._errors.append(op.error)
             self._lock.notify_all()
         self._queue.done(op)
-
-
-def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
-    """The bytes of contiguous CPU tensor ``t`` as a flat uint8 view; a clear error otherwise."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"DiskStore: {what} needs a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"DiskStore: {what} needs a contiguous CPU tensor, got "
-                         f"{'a non-contiguous' if t.device.type == 'cpu' else t.device} tensor {tuple(t.shape)}")
-    flat = t.detach().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
