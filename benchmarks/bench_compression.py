@@ -2,6 +2,7 @@
 
     python benchmarks/bench_compression.py                       # the recipe's GPT, world 4, 200 steps
     python benchmarks/bench_compression.py --model 25m --steps 30  # the 25M GPT of bench_zero3
+                                                                   # (recorded as bench_compression_25m)
 
 One run of four ranks (gloo) trains the same GPT (recipes/gpt_model.py) from the same seed on
 the same batches of Python text from the standard library (recipes/chardata.py: random tokens
@@ -143,7 +144,8 @@ def main() -> None:
     summary = {"model": f"{args.model} GPT ({MODELS[args.model]})", "steps": args.steps,
                "sequences per rank and step": args.batch, "wall_s": round(time.perf_counter() - started)}
     if not args.no_record:
-        record("bench_compression", {"rows": rows, "summary": summary})
+        name = "bench_compression" if args.model == "recipe" else f"bench_compression_{args.model}"
+        record(name, {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

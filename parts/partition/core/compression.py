@@ -102,7 +102,9 @@ def state_of(records: Sequence[ParamMeta]) -> Optional[CompressionState]:
 def weight_codec(records: Sequence[ParamMeta], info: GroupInfo) -> Optional[Codec]:
     """The codec the coordinator's gather of ``records`` over ``info`` uses (None: full precision)."""
     state = state_of(records)
-    return state.weights(info) if state is not None else None
+    if state is None or not all(m.shard.is_floating_point() for m in records):  # codes stand for real numbers
+        return None
+    return state.weights(info)
 
 
 def compressed_grads(records: Sequence[ParamMeta], info: GroupInfo) -> bool:
