@@ -14,6 +14,7 @@ its process group may be stuck inside a half-finished collective.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import multiprocessing as mp
 import os
@@ -66,6 +67,19 @@ def _reset_torch_state(torch: Any) -> None:
     torch.set_default_dtype(torch.float32)
 
 
+def _drop_garbage() -> None:
+    """Collect what the job left in reference cycles, now and on every rank alike.
+
+    An attached model dropped without ``detach`` lives in a cycle until a collection; its
+    coordinator still follows every optimizer step (a process-wide hook) and may issue a
+    collective there. Collections run at allocation counts that differ between ranks, so one
+    rank could still hold it in the next job and issue a collective the other ranks never
+    join. Freezing the survivors keeps the next collection to the objects newer than them.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
     """Body of one worker: join the process group, then run jobs until told to stop."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -88,6 +102,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
             result = ("error", traceback.format_exc())
         _reset_torch_state(torch)
+        _drop_garbage()
         conn.send(result)
     dist.destroy_process_group()
 

@@ -90,3 +90,32 @@ def test_hypothesis_examples_reuse_the_pool(world_size, values):
     tensor = torch.tensor(values)
     results = run(world_size, _broadcast_tensor, tensor)
     assert all(torch.equal(result, tensor) for result in results)
+
+
+_left: dict = {}  # what one job leaves for the next, in this worker
+
+
+def _drop_attached_model_in_a_cycle():
+    import gc
+    import weakref
+    from parts.partition import attach, partitioned, shards
+    torch.manual_seed(0)
+    with partitioned():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    coordinator = attach(model)
+    optimizer = torch.optim.SGD(shards(model), lr=0.1)
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    model.cycle = [model]
+    _left["coordinator"] = weakref.ref(coordinator)
+    gc.collect()  # the model is old by now, as a model that trained a while is
+
+
+def _coordinator_left_alive():
+    return _left.pop("coordinator")() is not None
+
+
+def test_a_job_leaves_no_attached_model_in_a_cycle_for_the_next():
+    # a coordinator still alive follows the next job's optimizer steps, on some ranks only
+    run(2, _drop_attached_model_in_a_cycle)
+    assert run(2, _coordinator_left_alive) == [False, False]
