@@ -24,7 +24,7 @@ from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.core.grad_guard import raw_grad, set_raw_grad
 from parts.partition.core.grads import reduce_scatter_grads
-from parts.partition.core.replicas import InFlight, pending_now, sync_replica_grads
+from parts.partition.core.replicas import InFlight, sync_replica_grads
 
 
 class GradReducer:
@@ -42,10 +42,9 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype  # grads are summed in it (MixedPrecision.reduce_dtype)
         self._pending: list[nn.Parameter] = []  # complete full grads awaiting reduce-scatter
         self._pending_numel = 0
-        self._reducing: list[Waitable] = []  # reduce-scatters in flight (overlap_comm)
+        self._reducing: list[tuple[Waitable, list]] = []  # reduce-scatters in flight (overlap_comm), their records
         self.replica_sync = "step"  # hybrid layouts: the cross-replica mean at the step, or each backward
         self.replicating = InFlight()  # with "backward": cross-replica all-reduces issued as buckets land
-        self._mine = {id(m) for m in table.records.values()}
 
     def follow(self, force: bool = False) -> None:
         """At a backward's start: the flat reduce-scatter's members are the flat parameters that
@@ -74,10 +73,11 @@ class GradReducer:
         pending = {id(p) for p in self._pending}
         self._pending += [p for p in scan if raw_grad(p) is not None and id(p) not in pending]
         self._reduce(step)
-        self.wait()
-        if self.replica_sync == "backward":
+        self.wait(replicate=False)
+        if self.replica_sync == "backward":  # the last bucket with the flat ones and any earlier ones
+            self.replicating.start(self.table.records.values())
             self.replicating.finish()
-            sync_replica_grads(self.table.records.values())  # the flat ones, and what arrived since
+            sync_replica_grads(self.table.records.values())  # what arrived since
 
     def _reduce(self, step: Optional[StepState]) -> None:
         """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
@@ -94,7 +94,7 @@ class GradReducer:
         self.counters.reduce_scatter_bytes += comm_counter.reduce_scatter_bytes - sent
         self.wait()  # the previous bucket: at most two buckets in flight
         if handle is not None:
-            self._reducing.append(handle)
+            self._reducing.append((handle, [self.table.records[i] for i in ids]))
 
     def discard(self) -> None:
         """A failed backward's leftovers (abort.py): its pending full grads are dropped, its
@@ -103,14 +103,15 @@ class GradReducer:
             set_raw_grad(p, None)
         self._pending, self._pending_numel = [], 0
         reducing, self._reducing = self._reducing, []
-        for handle in reducing:
+        for handle, _ in reducing:
             handle.discard()
         self.replicating.finish()  # every replica issued them
 
-    def wait(self) -> None:
-        """Finish the reduce-scatters in flight (their slices land in the grad shards)."""
+    def wait(self, replicate: bool = True) -> None:
+        """Finish the reduce-scatters in flight (their slices land in the grad shards); with
+        ``replicate`` and the "backward" sync, issue the cross-replica mean of each as it lands."""
         reducing, self._reducing = self._reducing, []
-        for handle in reducing:
+        for handle, records in reducing:
             handle.wait()
-        if reducing and self.replica_sync == "backward":  # their cross-replica mean runs during backward
-            self.replicating.start(m for m in pending_now() if id(m) in self._mine)
+            if replicate and self.replica_sync == "backward":  # runs while backward goes on
+                self.replicating.start(records)

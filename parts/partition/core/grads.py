@@ -100,8 +100,7 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
     sends = [_send_for(p, m, dtype, info.world_size) for p, m in pairs]
     for p, _ in pairs:
         p.grad = None
-    recvs = [disk.grad_buffer(m.shard, m.layout.shard_numel, dtype, partial(alloc, device=m.device))
-             for _, m in pairs]
+    recvs = _receive_buffers(pairs, dtype)
     records = [m for _, m in pairs]
     if compressed_grads(records, info):  # codes with error feedback, one residual per parameter
         work = reduce_compressed(records, recvs, sends, info, [m.id for m in records], average, async_op)
@@ -117,6 +116,16 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
         finish()
         return None
     return ReduceHandle(work, finish)
+
+
+def _receive_buffers(pairs: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A fresh 1-D buffer per parameter for its reduce-scattered grad; in a hybrid layout views of
+    one buffer side by side, so the cross-replica all-reduce runs on it in place (core/replicas.py)."""
+    if all(m.replica is not None and disk.parked_version(m.shard) is None and m.device == pairs[0][1].device
+           for _, m in pairs):
+        sizes = [m.layout.shard_numel for _, m in pairs]
+        return list(torch.split(alloc(sum(sizes), dtype, pairs[0][1].device), sizes))
+    return [disk.grad_buffer(m.shard, m.layout.shard_numel, dtype, partial(alloc, device=m.device)) for _, m in pairs]
 
 
 def accumulate_into(m: Any, part: torch.Tensor, accumulate: bool) -> None:

@@ -30,7 +30,7 @@ the same point of every replica's backward, so the replicas' all-reduces meet.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -48,12 +48,17 @@ _pending: "weakref.WeakSet[ParamMeta]" = weakref.WeakSet()
 optimizer step hook that drains it is; it configures nothing and forgets records that are gone."""
 _stored: "weakref.WeakSet[ParamMeta]" = weakref.WeakSet()
 """Records whose grad shard in a ``DiskStore`` awaits it (apart: never overlapped with backward)."""
+_flying: "weakref.WeakKeyDictionary[ParamMeta, list]" = weakref.WeakKeyDictionary()
+"""Records whose grad shard is in a cross-replica all-reduce in flight: its run (``InFlight``)."""
 
 
 def mark_pending(records: Iterable[ParamMeta]) -> None:
     """Note that these records' grad shards received a replica-local part (no-op without replicas)."""
     for m in records:
         if m.replica is not None:
+            run = _flying.get(m)
+            if run is not None:  # its all-reduce is in flight: finish it, the new part lands on the mean
+                _complete(run)
             if disk.parked_version(m.shard) is not None:
                 _stored.add(m)
             else:
@@ -191,39 +196,60 @@ def _all_reduce_mean(items: list[tuple[ParamMeta, torch.Tensor]]) -> None:
 
 class InFlight:
     """Cross-replica all-reduces issued while backward goes on (``set_replica_sync(model,
-    "backward")``): ``start`` packs the grad shards that just landed and issues their all-reduce
-    without waiting, so it runs while backward computes; ``finish`` (at the backward's end)
-    waits and writes the means back. A grad shard that received more since it was packed keeps
-    that part (replica-local, so it is pending again and a later sync averages it)."""
+    "backward")``): ``start`` issues the all-reduce of the grad shards that just landed without
+    waiting, so it runs while backward computes: in place when they lie side by side in one
+    buffer (the reduce-scatter's, ``core/grads.py``), else on a packed copy; ``finish`` (at the
+    backward's end) waits and leaves the means in the grad shards. A grad shard that is about
+    to receive more while in flight (``mark_pending`` runs before the add) has its all-reduce
+    finished first: the new part lands on the mean, replica-local, pending for a later sync."""
 
     def __init__(self) -> None:
-        self._runs: list[tuple[Any, torch.Tensor, torch.Tensor, list]] = []
+        self._runs: list[list] = []  # [work, flat buffer, items, in place]; work None once finished
 
     def start(self, records: Iterable[ParamMeta], bucket_numel: int = BUCKET_NUMEL) -> None:
         """Issue the all-reduce of the pending grad shards of ``records`` (no longer pending)."""
-        plain = [m for m in records if replica_codec(m) is None]  # compressed ones: at the backward's end
+        plain = [m for m in records if replica_codec(m) is None  # compressed ones: at the backward's end
+                 and m not in _flying]  # one in flight that receives more: its rest goes in a later sync
         for chunk in _buckets(_take(plain), bucket_numel):
-            info = chunk[0][0].replica
-            local = torch.cat([g.reshape(-1) for _, g in chunk])
-            summed = local.clone()
-            self._runs.append((all_reduce_async(summed, info), local, summed, chunk))
+            region = _one_region([g for _, g in chunk])
+            flat = region if region is not None else torch.cat([g.reshape(-1) for _, g in chunk])
+            run = [all_reduce_async(flat, chunk[0][0].replica), flat, chunk, region is not None]
+            self._runs.append(run)
+            for m, _ in chunk:
+                _flying[m] = run
 
     def finish(self) -> None:
-        """Wait for every all-reduce issued, write the means into the grad shards."""
+        """Wait for every all-reduce issued, leave the means in the grad shards."""
         runs, self._runs = self._runs, []
-        for work, local, summed, items in runs:
-            work.wait()
-            summed.div_(items[0][0].replica.world_size)
-            off = 0
-            with torch.no_grad():
-                for m, g in items:
-                    mean, before = summed[off:off + g.numel()].view_as(g), local[off:off + g.numel()].view_as(g)
-                    off += g.numel()
-                    if torch.equal(g, before):  # (grad shards may be views of one buffer: values, not versions)
-                        g.copy_(mean)
-                    else:  # more arrived: mean + (now - packed), the new part still this replica's
-                        g.add_(mean - before)
-                        mark_pending([m])
+        for run in runs:
+            _complete(run)
+
+
+def _complete(run: list) -> None:
+    """Wait for one all-reduce in flight, divide, write the means back (once)."""
+    work, flat, items, in_place = run
+    if work is None:
+        return
+    run[0] = None
+    work.wait()
+    for m, _ in items:
+        _flying.pop(m, None)
+    with torch.no_grad():
+        flat.div_(items[0][0].replica.world_size)
+        if not in_place:
+            torch.split_with_sizes_copy(flat, [g.numel() for _, g in items], out=[g.view(-1) for _, g in items])
+
+
+def _one_region(grads: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One 1-D tensor over the memory of ``grads`` if they lie side by side in it, in order."""
+    first, end = grads[0], grads[0].data_ptr()
+    storage = first.untyped_storage()
+    for g in grads:
+        if not g.is_contiguous() or g.data_ptr() != end or g.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        end += g.numel() * g.element_size()
+    total = sum(g.numel() for g in grads)
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, first.storage_offset(), (total,))
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
