@@ -110,9 +110,9 @@ def _rows(results: dict, args: argparse.Namespace) -> list[dict]:
         row = dict(layout=layout, setting=setting, final_loss=round(final, 4),
                    final_vs_off=f"{100 * (final - final_off) / final_off:+.3f}%",
                    worst_step_vs_off=f"{100 * worst:.3f}%")
-        for kind in KINDS:
-            if base["bytes"][kind]:
-                row[f"{kind.split('_bytes')[0]}_vs_off"] = round(r["bytes"][kind] / base["bytes"][kind], 3)
+        for kind in KINDS:  # "-": the layout has no such collective
+            ratio = r["bytes"][kind] / base["bytes"][kind] if base["bytes"][kind] else None
+            row[f"{kind.split('_bytes')[0]}_vs_off"] = "-" if ratio is None else round(ratio, 3)
         row.update(residual_MiB=round(r["residual"] / 2 ** 20, 2), step_s=round(r["step"], 3),
                    step_vs_off=round(r["step"] / base["step"], 2))
         rows.append(row)
