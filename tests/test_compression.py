@@ -38,7 +38,7 @@ def _policy(spec):
 
 
 def _train(kind: str, spec, steps: int = STEPS, persistence: int = 100, precision: bool = False,
-           sync: str = "step"):
+           sync: str = "step", secondary: bool = False):
     """SGD on this rank's rows: the full state (every rank), the losses, the ledger since the start."""
     import torch.distributed as dist
     from parts.comm import comm_counter
@@ -49,6 +49,9 @@ def _train(kind: str, spec, steps: int = STEPS, persistence: int = 100, precisio
     with partitioned(**_layout(kind)):
         model = _model()
     knobs = {"compression": _policy(spec)} if spec != "absent" else {}
+    if secondary:  # node-local backward gathers (ZeRO++ hpZ) beside the compressed across hops
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+        knobs["secondary_group"] = pairs[rank // 2]
     coordinator = attach(model, persistence_threshold=persistence,
                          mixed_precision=MixedPrecision() if precision else None, **knobs)
     if kind == "hybrid":
@@ -177,9 +180,11 @@ def test_hybrid_replicas_stay_identical_the_cross_replica_mean_travels_as_codes(
     assert on[0][2][replica_group]["all_reduce_bytes"] <= 0.27 * off[0][2][replica_group]["all_reduce_bytes"]
 
 
-def test_two_nodes_compress_the_across_hop_only_and_train_close():
-    off = run(4, _train, "nodes", None, persistence=0)
-    on = run(4, _train, "nodes", {"weights": "int8", "grads": "int8", "on": "replicas"}, persistence=0)
+@pytest.mark.parametrize("secondary", [False, True])
+def test_two_nodes_compress_the_across_hop_only_and_train_close(secondary):
+    off = run(4, _train, "nodes", None, persistence=0, secondary=secondary)
+    on = run(4, _train, "nodes", {"weights": "int8", "grads": "int8", "on": "replicas"}, persistence=0,
+             secondary=secondary)
     for k in off[0][0]:
         torch.testing.assert_close(on[0][0][k], off[0][0][k], rtol=0, atol=2e-2)
     node, across = "0,1", "0,2"
