@@ -1,13 +1,17 @@
 """One rank of the emulated-cluster benchmark (launched by cluster.py through torchrun).
 
 Trains the 25M GPT of bench_zero3.py with one system for ``--steps`` steps on the same
-batches as bench_zero3 (fp32, AdamW) and, on global rank 0, writes the median step time,
-the final loss (mean over ranks), peak RSS and parts' byte ledger per group to ``--out``.
-"""
+batches as bench_zero3 (fp32, AdamW) and, on global rank 0, writes to ``--out``: the median
+step time and its phases (forward, backward, optimizer step) over the steps after the first,
+the CPU seconds per step (mean over ranks, every thread), the bytes this node's end of the link
+sent and received per step (the same steps: no setup), the final loss (mean over ranks), peak
+RSS and parts' byte ledger per group. With ``CLUSTER_PROFILE=<path>`` in the environment each
+rank also writes a cProfile of those steps to ``<path>.<system>.<rank>``."""
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import resource
@@ -44,28 +48,61 @@ def build_fsdp2_hsdp(config):
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
 
 
-def build_parts_hybrid(config):
+def _node_group():
+    """This node's ranks as a process group (every rank makes every node's group)."""
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    groups = [dist.new_group(list(range(start, start + local))) for start in range(0, dist.get_world_size(), local)]
+    return groups[dist.get_rank() // local]
+
+
+def build_parts_hybrid(config, secondary=None):
     """parts with a hybrid layout on the same mesh, the knobs of bench_zero3's ``parts``; no
-    gradient accumulation here, so the cross-replica mean overlaps each backward."""
+    gradient accumulation here, so the cross-replica mean overlaps each backward. ``secondary``:
+    node-local backward gathers (the shard group is the node here: they change nothing)."""
     from parts.partition import attach, partitioned, set_replica_sync, shards
     with partitioned(mesh=_mesh()):
         model = GPT(config)
-    coordinator = attach(model, persistence_threshold=0)
+    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary)
     set_replica_sync(coordinator, "backward")
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
 
-def build_parts_topo(config):
-    """parts full sharding whose all-gathers know the nodes (two hops, ``ranks_per_node``)."""
+def build_parts_full(config, two_hop=False, secondary=None):
+    """parts full sharding with the knobs of bench_zero3's ``parts``; ``two_hop``: all-gathers
+    and reduce-scatters that know the nodes (``ranks_per_node``); ``secondary``: node-local
+    backward gathers (``attach(secondary_group=)``, ZeRO++ hpZ)."""
     from parts.partition import attach, partitioned, shards
-    with partitioned(ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"])):
+    with partitioned(**({"ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"])} if two_hop else {})):
         model = GPT(config)
-    coordinator = attach(model, persistence_threshold=0)
+    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system, every thread) this process used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _gathered_mean(value: float) -> float:
+    """The mean over ranks of ``value``."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _link_bytes() -> list[int]:
+    """Bytes this node's end of the link (``GLOO_SOCKET_IFNAME``) sent and received so far."""
+    stats = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
+    return [int((stats / f"{kind}_bytes").read_text()) for kind in ("tx", "rx")]
+
+
 BUILDERS = {"ddp": z.build_ddp, "fsdp2": z.build_fsdp2, "fsdp2_hsdp": build_fsdp2_hsdp,
-            "parts": z.build_parts, "parts_topo": build_parts_topo, "parts_hybrid": build_parts_hybrid}
+            "parts": build_parts_full, "parts_topo": lambda c: build_parts_full(c, two_hop=True),
+            "parts_hpz": lambda c: build_parts_full(c, secondary=_node_group()),
+            "parts_topo_hpz": lambda c: build_parts_full(c, two_hop=True, secondary=_node_group()),
+            "parts_hybrid": build_parts_hybrid,
+            "parts_hybrid_hpz": lambda c: build_parts_hybrid(c, secondary=_node_group())}
 
 
 def main() -> None:
@@ -87,18 +124,38 @@ def main() -> None:
     model, optimizer, coordinator = BUILDERS[args.system](config)
     from parts.comm import comm_counter
     ledger_before = comm_counter.by_group()
-    times, loss = [], None
-    for inputs, targets in z._batches(config, args, rank):
-        started = time.perf_counter()
+    phases, loss, link = [], None, None
+    profiler = cProfile.Profile() if os.environ.get("CLUSTER_PROFILE") else None
+    for k, (inputs, targets) in enumerate(z._batches(config, args, rank)):
+        if k == 1:  # the steps after the first: link bytes per step without setup and warm-up
+            dist.barrier()
+            link, cpu = _link_bytes(), _cpu_seconds()
+        if k == 1 and profiler is not None:
+            profiler.enable()
+        marks = [time.perf_counter()]
         loss = model(inputs, targets)
+        marks.append(time.perf_counter())
         loss.backward()
+        marks.append(time.perf_counter())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - started)
+        marks.append(time.perf_counter())
+        phases.append([b - a for a, b in zip(marks, marks[1:])])
+    cpu = (_cpu_seconds() - cpu) / max(len(phases) - 1, 1) if link is not None else None
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(f"{os.environ['CLUSTER_PROFILE']}.{args.system}.{rank}")
+    dist.barrier()
+    if link is not None:
+        link = [(b - a) / (len(phases) - 1) for a, b in zip(link, _link_bytes())]
     loss = loss.detach().clone()
     dist.all_reduce(loss)
     from parts.comm.counter import ledger_since
-    row = dict(step=statistics.median(times[1:] or times), loss=loss.item() / world,
+    timed = phases[1:] or phases
+    row = dict(step=statistics.median(sum(p) for p in timed),
+               phases={name: statistics.median(p[i] for p in timed)
+                       for i, name in enumerate(("forward", "backward", "optimizer"))},
+               link_per_step=link, cpu_per_step=_gathered_mean(cpu), loss=loss.item() / world,
                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                ledger=ledger_since(ledger_before, comm_counter.by_group()))
     if rank == 0:
