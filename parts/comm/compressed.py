@@ -186,20 +186,26 @@ def reduce_scatter_quantized(outs: Sequence[torch.Tensor], ins: Sequence[torch.T
 
 @torch.no_grad()
 def all_reduce_mean_quantized(t: torch.Tensor, info: GroupInfo, codec: Codec, ef: Optional[ErrorFeedback],
-                              key: Hashable) -> torch.Tensor:
+                              key: Hashable, async_op: bool = False) -> Optional[Waitable]:
     """``t`` (1-D fp32) replaced in place by its mean over the group, reduced as codes in both
-    phases (residuals under ``(key, "in")`` and ``(key, "out")``); every member gets the same bits."""
+    phases (residuals under ``(key, "in")`` and ``(key, "out")``); every member gets the same bits.
+    ``async_op``: the reduce-scatter phase is issued at once and the handle's ``wait()`` finishes
+    it and runs the all-gather phase."""
     world, n = info.world_size, t.numel()
     if world == 1:
-        return t
+        return finish(Work(), async_op)
     chunk = -(-n // world)
     padded = torch.zeros(world * chunk, dtype=torch.float32, device=t.device)
     padded[:n] = t
     mine = torch.empty(chunk, dtype=torch.float32, device=t.device)
-    _reduce_rows([mine], [padded.view(world, chunk)], info, codec, ef, [(key, "in")], world, "all_reduce").wait()
-    q, _ = _compensated(mine.view(1, -1), (key, "out"), codec, ef, None)
-    send = to_wire([q]).view(-1)
-    recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
-    _all_gather_bytes(recv, send, info, "all_reduce").wait()
-    t.copy_(dequantize(from_wire(recv.view(world, -1), [chunk], codec)[0]).view(-1)[:n])
-    return t
+    first = _reduce_rows([mine], [padded.view(world, chunk)], info, codec, ef, [(key, "in")], world, "all_reduce")
+
+    @torch.no_grad()
+    def gather_mean() -> None:
+        q, _ = _compensated(mine.view(1, -1), (key, "out"), codec, ef, None)
+        send = to_wire([q]).view(-1)
+        recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
+        _all_gather_bytes(recv, send, info, "all_reduce").wait()
+        t.copy_(dequantize(from_wire(recv.view(world, -1), [chunk], codec)[0]).view(-1)[:n])
+
+    return finish(FinishAfter(first, gather_mean), async_op)

@@ -170,13 +170,17 @@ def _chunks(items: list, limit: int) -> Iterable[list]:
         yield run
 
 
+def _key(records: list[ParamMeta]) -> tuple:
+    """The error-feedback key of a compressed cross-replica mean: its bucket's parameters."""
+    return ("replica", tuple(m.id for m in records))
+
+
 def _mean(flat: torch.Tensor, records: list[ParamMeta]) -> None:
     """``flat`` (the packed grads of ``records``, one replica group) replaced by its mean across replicas."""
     info, codec = records[0].replica, replica_codec(records[0])
     with torch.no_grad():
         if codec is not None:  # as codes, error feedback under the bucket's parameters
-            key = ("replica", tuple(m.id for m in records))
-            all_reduce_mean_quantized(flat, info, codec, records[0].compression.feedback, key)
+            all_reduce_mean_quantized(flat, info, codec, records[0].compression.feedback, _key(records))
         else:
             all_reduce(flat, info)
             flat.div_(info.world_size)
@@ -204,16 +208,19 @@ class InFlight:
     finished first: the new part lands on the mean, replica-local, pending for a later sync."""
 
     def __init__(self) -> None:
-        self._runs: list[list] = []  # [work, flat buffer, items, in place]; work None once finished
+        self._runs: list[list] = []  # [work, flat, items, in place, divide]; work None once finished
 
     def start(self, records: Iterable[ParamMeta], bucket_numel: int = BUCKET_NUMEL) -> None:
         """Issue the all-reduce of the pending grad shards of ``records`` (no longer pending)."""
-        plain = [m for m in records if replica_codec(m) is None  # compressed ones: at the backward's end
-                 and m not in _flying]  # one in flight that receives more: its rest goes in a later sync
+        plain = [m for m in records if m not in _flying]  # one in flight that receives more: its rest later
         for chunk in _buckets(_take(plain), bucket_numel):
             region = _one_region([g for _, g in chunk])
             flat = region if region is not None else torch.cat([g.reshape(-1) for _, g in chunk])
-            run = [all_reduce_async(flat, chunk[0][0].replica), flat, chunk, region is not None]
+            first, codec = chunk[0][0], replica_codec(chunk[0][0])
+            work = (all_reduce_async(flat, first.replica) if codec is None else  # as codes: the mean itself
+                    all_reduce_mean_quantized(flat, first.replica, codec, first.compression.feedback,
+                                              _key([m for m, _ in chunk]), True))
+            run = [work, flat, chunk, region is not None, codec is None]
             self._runs.append(run)
             for m, _ in chunk:
                 _flying[m] = run
@@ -227,7 +234,7 @@ class InFlight:
 
 def _complete(run: list) -> None:
     """Wait for one all-reduce in flight, divide, write the means back (once)."""
-    work, flat, items, in_place = run
+    work, flat, items, in_place, divide = run
     if work is None:
         return
     run[0] = None
@@ -235,7 +242,8 @@ def _complete(run: list) -> None:
     for m, _ in items:
         _flying.pop(m, None)
     with torch.no_grad():
-        flat.div_(items[0][0].replica.world_size)
+        if divide:
+            flat.div_(items[0][0].replica.world_size)
         if not in_place:
             torch.split_with_sizes_copy(flat, [g.numel() for _, g in items], out=[g.view(-1) for _, g in items])
 
