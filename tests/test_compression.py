@@ -121,6 +121,16 @@ def test_int8_weights_train_close_to_fp32_and_the_ledger_counts_the_codes():
     assert on[3].residual_bytes > 0
 
 
+def test_bf16_compute_with_persistent_buffers_and_int4_grads_trains_close_to_uncompressed():
+    off = run(2, _train, "flat", None, persistence=20_000, precision=True)[0]
+    on = run(2, _train, "flat", {"weights": "int8", "grads": "int4"}, persistence=20_000, precision=True)[0]
+    for k in off[0]:  # the flat persistent buffer (every parameter here) gathers and reduces as codes
+        torch.testing.assert_close(on[0][k], off[0][k], rtol=0, atol=3e-2)
+    ratio = on[2]["0,1"]["reduce_scatter_bytes"] / off[2]["0,1"]["reduce_scatter_bytes"]
+    assert ratio <= 0.27, ratio  # int4 codes against the bf16 grads that travel uncompressed
+    assert on[3].residual_bytes > 0
+
+
 def _feedback_invariant(bits: str, micro: int = 3):
     """Grads of ``micro`` backwards (no step) accumulated in the grad shards, the true grads of
     every rank (an unsharded copy on the same rows) and every rank's residuals."""
