@@ -27,7 +27,7 @@ subtraction per step). A residual that is not finite (a NaN block) restarts at z
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 
@@ -73,42 +73,48 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _per_block(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full blocks of each row as (rows, k, block) and the tail as (rows, 1, n - k * block)."""
+    """Views of the full blocks of each row as (rows, k, block) and of the tail as (rows, 1, n - k * block)
+    (a view whenever each row is contiguous: splitting a contiguous dimension needs no copy)."""
     rows, n = x.shape
     full = n // block * block
-    return x[:, :full].reshape(rows, full // block, block), x[:, full:].reshape(rows, 1 if n > full else 0, n - full)
+    return x[:, :full].view(rows, full // block, block), x[:, full:].view(rows, 1 if n > full else 0, n - full)
 
 
 def _absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     """Each block's largest magnitude, NaN for a block holding a NaN or an infinity."""
     main, tail = _per_block(x, block)
-    parts = [t.abs().amax(2) for t in (main, tail) if t.shape[1] and t.shape[2]]
+    # max(max, -min): two reductions that allocate nothing (|x| would be a full-size copy); both propagate NaN
+    parts = [torch.maximum(t.amax(2), t.amin(2).neg()) for t in (main, tail) if t.shape[1] and t.shape[2]]
     amax = torch.cat(parts, 1) if parts else x.new_zeros(x.shape[0], 0)
     return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, float("nan")))
 
 
-def _by_block(x: torch.Tensor, scales: torch.Tensor, block: int, op) -> torch.Tensor:
-    """``op(values, scale)`` over each block of the (rows, n) ``x`` with its scale broadcast,
-    back as (rows, n)."""
+def _by_block(x: torch.Tensor, scales: torch.Tensor, block: int, op: Callable,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``op(values, scale)`` over each block of the (rows, n) ``x`` with its scale broadcast, written
+    into ``out`` (rows, n; fp32 if not given, else cast as it is stored)."""
     rows, n = x.shape
-    main, tail = _per_block(x, block)
+    out = torch.empty(rows, n, dtype=torch.float32, device=x.device) if out is None else out
+    (main, tail), (main_out, tail_out) = _per_block(x, block), _per_block(out, block)
     k = main.shape[1]
-    out = [op(main, scales[:, :k, None]).reshape(rows, main.shape[1] * block)]
+    op(main, scales[:, :k, None], out=main_out)
     if tail.shape[1] and tail.shape[2]:
-        out.append(op(tail, scales[:, k:, None]).reshape(rows, tail.shape[2]))
-    return out[0] if len(out) == 1 else torch.cat(out, 1)
+        op(tail, scales[:, k:, None], out=tail_out)
+    return out
 
 
 def quantize(x: torch.Tensor, block: int, bits: int = 8) -> Quantized:
     """``x`` (1-D: one row; else rows along the last dimension) as blockwise codes and fp32
     scales; blocks restart at every row. See the module docstring for the guarantees."""
     _check(block, bits)
-    x = _rows(x)
+    x = _rows(x).contiguous()
     n = x.shape[1]
     scales = _absmax(x, block)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # zero and NaN blocks: codes 0
-    codes = _by_block(x, safe, block, torch.div)
-    codes = codes.mul_(QMAX[bits]).round_().clamp_(-QMAX[bits], QMAX[bits]).nan_to_num_(0.0)
+    # |x| <= its block's scale, so |x / scale| <= 1 and the codes stay within +-QMAX; a zero
+    # block divides by 1 (codes 0), a non-finite one by infinity (codes 0 or NaN, then 0)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    safe = torch.where(scales.isnan(), torch.full_like(scales, float("inf")), safe)
+    codes = _by_block(x, safe, block, torch.div).mul_(QMAX[bits]).round_().nan_to_num_(0.0)
     if bits == 8:
         return Quantized(codes.to(torch.int8), scales, n, block, bits)
     return Quantized(_pack4(codes), scales, n, block, bits)
@@ -127,11 +133,13 @@ def _unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
     return both[:, :n].to(torch.float32) - 8
 
 
-def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values ``q`` stands for, (rows, numel), in ``dtype`` (computed in fp32, then cast)."""
-    codes = q.codes.to(torch.float32) if q.bits == 8 else _unpack4(q.codes, q.numel)
-    values = _by_block(codes.div_(QMAX[q.bits]), q.scales, q.block, torch.mul)
-    return values if dtype == torch.float32 else values.to(dtype)
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The values ``q`` stands for, (rows, numel), in ``dtype`` (computed in fp32, then cast), or
+    written into ``out`` (a (rows, numel) tensor whose rows are contiguous, of any float dtype)."""
+    ratios = torch.div(q.codes, QMAX[q.bits]) if q.bits == 8 else _unpack4(q.codes, q.numel).div_(QMAX[q.bits])
+    if out is None and dtype != torch.float32:
+        out = torch.empty(q.scales.shape[0], q.numel, dtype=dtype, device=q.scales.device)
+    return _by_block(ratios, q.scales, q.block, torch.mul, out)
 
 
 def step_size(q: Quantized) -> torch.Tensor:
