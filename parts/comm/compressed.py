@@ -110,7 +110,7 @@ def all_gather_quantized(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tenso
 
     def unpack() -> None:
         for out, q in zip(outs, from_wire(recv.view(world, -1), numels, codec)):
-            out.view(world, -1).copy_(dequantize(q))
+            dequantize(q, out=out.view(world, -1))  # straight into the output, cast as stored
 
     return finish(FinishAfter(work, unpack), async_op)
 
