@@ -2,7 +2,7 @@
 parameters and AdamW state on disk in both.
 
     python benchmarks/bench_offload_infinity.py                   # 25M GPT, world 2
-    python benchmarks/bench_offload_infinity.py --params 125M --steps 4
+    python benchmarks/bench_offload_infinity.py --params 151M --steps 3
 
 Each system runs in its own ``--world-size`` processes (gloo), one system after the other:
 
@@ -16,12 +16,17 @@ Both start from the same weights (``torch.manual_seed(0)``, rank 0's broadcast),
 batches (``chardata``, seeded per rank) and use AdamW with the same lr and no weight decay. Per
 system: the median step time after ``--warmup`` steps, the peak RSS per rank (``ru_maxrss``), the
 bytes the process read and wrote per step at the block layer (``/proc/self/io``: what reached
-the disk, all threads) and the loss of every step (mean over ranks).
+the disk, all threads), the CPU seconds per step per rank (user + system, all threads: what the
+step costs the machine, less sensitive to other load than wall time), the fraction of the
+disk's raw bandwidth that traffic is (both ranks' bytes at the ``O_DIRECT`` read and write
+rates measured first, over the step time), the system load while it ran, and the loss of
+every step (mean over ranks).
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import resource
 import shutil
@@ -45,11 +50,12 @@ from train_offload import PRESETS, count_params  # noqa: E402
 
 LR = 1e-4
 MiB = 2**20
+SIZES = {**PRESETS, "151M": (12, 1024, 16)}  # the recipe's sizes, and 12 x 1024
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", choices=sorted(PRESETS), default="25M")
+    ap.add_argument("--params", choices=sorted(SIZES), default="25M")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="measured steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -62,7 +68,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def config_of(args: argparse.Namespace) -> GPTConfig:
-    layers, width, heads = PRESETS[args.params]
+    layers, width, heads = SIZES[args.params]
     return GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=layers, n_head=heads, n_embd=width)
 
 
@@ -70,6 +76,32 @@ def io_bytes() -> tuple[int, int]:
     """(read, written) bytes this process (all its threads) moved at the block layer."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def raw_bandwidth(directory: str, nbytes: int = 1 << 30, block: int = 8 << 20) -> tuple[float, float]:
+    """(write, read) bytes per second of one ``O_DIRECT`` stream of ``block``-byte transfers into a
+    file under ``directory`` (what ``dd oflag=direct`` / ``iflag=direct`` measure: no page cache)."""
+    path = os.path.join(directory, "bench-raw-bandwidth.bin")
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(block))
+    rates = []
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        for call in (os.pwritev, os.preadv):
+            start = time.perf_counter()
+            for offset in range(0, nbytes, block):
+                call(fd, [buf], offset)
+            rates.append(nbytes / (time.perf_counter() - start))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return rates[0], rates[1]
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def build_parts(config: GPTConfig, directory: str):
@@ -155,7 +187,7 @@ def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namesp
     times, losses, io = [], [], None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            io = io_bytes()
+            io, load, cpu = io_bytes(), os.getloadavg()[0], cpu_seconds()
         started = time.perf_counter()
         loss = step(*batch(tokens, args.batch_size, args.seq_len, gen))
         dist.barrier()
@@ -163,16 +195,25 @@ def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namesp
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
     read, written = (b - a for a, b in zip(io, io_bytes()))
+    cpu = (cpu_seconds() - cpu) / args.steps
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows = [None] * world
-    dist.all_gather_object(rows, (peak, read / args.steps, written / args.steps))
+    dist.all_gather_object(rows, (peak, read / args.steps, written / args.steps, cpu))
     if rank == 0:
-        results[system] = dict(step=statistics.median(times[args.warmup:]), built=built, losses=losses, ranks=rows)
+        load = (load + os.getloadavg()[0]) / 2
+        results[system] = dict(step=statistics.median(times[args.warmup:]), built=built, losses=losses, ranks=rows,
+                               load=load)
     close()
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
         shutil.rmtree(holder[0], ignore_errors=True)
+
+
+def disk_fraction(result: dict, write_rate: float, read_rate: float) -> float:
+    """The share of a step the disk would be busy moving every rank's bytes at its raw rates."""
+    seconds = sum(rd / read_rate + wr / write_rate for _, rd, wr, _ in result["ranks"])
+    return seconds / result["step"]
 
 
 def _free_port() -> int:
@@ -187,26 +228,39 @@ def main() -> None:
     psi = count_params(config_of(args))
     print(f"GPT {args.params} ({psi / 1e6:.0f} M params), world {args.world_size}, {args.batch_size}x"
           f"{args.seq_len} tokens per rank, fp32 AdamW lr {LR}, {args.warmup} + {args.steps} steps", flush=True)
+    write_rate, read_rate = raw_bandwidth(args.dir)
+    print(f"raw disk bandwidth under {args.dir} (O_DIRECT, 8 MiB blocks): write {write_rate / MiB:.0f} MiB/s, "
+          f"read {read_rate / MiB:.0f} MiB/s; system load {os.getloadavg()[0]:.1f}", flush=True)
     results = mp.Manager().dict()
     for system in args.systems.split(","):
         mp.spawn(_worker, args=(args.world_size, _free_port(), system, args, results), nprocs=args.world_size)
         r = results[system]
         print(f"{system}: step {r['step']:.2f} s, built in {r['built']:.1f} s, peak RSS per rank "
-              + ", ".join(f"{p / MiB:.0f}" for p, _, _ in r["ranks"]) + " MiB, read / written per step per rank "
-              + ", ".join(f"{rd / MiB:.0f} / {wr / MiB:.0f}" for _, rd, wr in r["ranks"]) + " MiB, losses "
+              + ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]) + " MiB, read / written per step per rank "
+              + ", ".join(f"{rd / MiB:.0f} / {wr / MiB:.0f}" for _, rd, wr, _ in r["ranks"])
+              + f" MiB ({disk_fraction(r, write_rate, read_rate):.0%} of the disk's raw bandwidth), CPU per step "
+              + ", ".join(f"{c:.2f}" for *_, c in r["ranks"]) + " s, "
+              + f"system load {r['load']:.1f}, losses "
               + " ".join(f"{v:.4f}" for v in r["losses"]), flush=True)
     rows = [{"system": s, "step_s": round(r["step"], 3),
-             "peak_rss_MiB": ", ".join(f"{p / MiB:.0f}" for p, _, _ in r["ranks"]),
-             "read_MiB_per_step": ", ".join(f"{rd / MiB:.0f}" for _, rd, _ in r["ranks"]),
-             "written_MiB_per_step": ", ".join(f"{wr / MiB:.0f}" for _, _, wr in r["ranks"]),
+             "peak_rss_MiB": ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]),
+             "read_MiB_per_step": ", ".join(f"{rd / MiB:.0f}" for _, rd, _, _ in r["ranks"]),
+             "written_MiB_per_step": ", ".join(f"{wr / MiB:.0f}" for _, _, wr, _ in r["ranks"]),
+             "disk_bandwidth_fraction": round(disk_fraction(r, write_rate, read_rate), 3),
+             "cpu_s_per_step": ", ".join(f"{c:.2f}" for *_, c in r["ranks"]),
+             "system_load": round(r["load"], 1),
              "first_loss": round(r["losses"][0], 4), "last_loss": round(r["losses"][-1], 4)}
             for s, r in results.items()]
     summary = {"model": f"GPT {args.params} ({psi / 1e6:.0f} M params), world {args.world_size}, "
-                        f"{args.batch_size}x{args.seq_len} tokens per rank, {args.warmup} + {args.steps} steps"}
+                        f"{args.batch_size}x{args.seq_len} tokens per rank, {args.warmup} + {args.steps} steps",
+               "raw disk MiB/s (O_DIRECT write, read)": f"{write_rate / MiB:.0f}, {read_rate / MiB:.0f}"}
     if {"parts", "infinity"} <= set(results.keys()):
         p, d = results["parts"], results["infinity"]
         summary["infinity step / parts step"] = round(d["step"] / p["step"], 2)
+        summary["infinity CPU / parts CPU"] = round(sum(r[3] for r in d["ranks"]) / sum(r[3] for r in p["ranks"]), 2)
         summary["parts RSS / infinity RSS"] = round(max(r[0] for r in p["ranks"]) / max(r[0] for r in d["ranks"]), 2)
+        gap = max(abs(a - b) for a, b in zip(p["losses"], d["losses"]))
+        summary["largest loss difference parts - infinity"] = f"{gap:.2e}"
     if "memory" in results.keys():
         ref = results["memory"]["losses"]
         for s in set(results.keys()) - {"memory"}:
