@@ -23,7 +23,8 @@ after the first, and for the whole run, setup included), for parts the bytes its
 counted per group, and how busy other processes kept the machine meanwhile (their CPU
 seconds per second: the machine has few cores and may be shared). ``--rounds N`` runs the
 systems N times interleaved and keeps each one's median-step run. Results go to
-``benchmarks/results/bench_cluster.jsonl``.
+``benchmarks/results/bench_cluster.jsonl`` (1 Gbit/s, no delay; another link to
+``bench_cluster_<rate><delay>.jsonl``, e.g. ``bench_cluster_10gbit.jsonl``).
 """
 
 from __future__ import annotations
@@ -195,10 +196,10 @@ def main() -> None:
             for name, r in results.items()]
     if args.no_record:
         return
-    record("bench_cluster", {"rows": rows, "summary": {"rate": args.rate, "delay": args.delay or "none",
-                                                      "steps": args.steps,
-                                                      "rounds": args.rounds},
-                             "ledgers": {name: r["ledger"] for name, r in results.items()}})
+    bench = "bench_cluster" if (args.rate, args.delay) == ("1gbit", "") else f"bench_cluster_{args.rate}{args.delay}"
+    record(bench, {"rows": rows, "summary": {"rate": args.rate, "delay": args.delay or "none", "steps": args.steps,
+                                            "rounds": args.rounds},
+                   "ledgers": {name: r["ledger"] for name, r in results.items()}})
 
 
 if __name__ == "__main__":
