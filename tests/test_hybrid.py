@@ -4,6 +4,8 @@ sharding and like plain torch; norms count each element once; checkpoints cross 
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from harness import run
@@ -35,6 +37,8 @@ def _layout(replicas) -> dict:
     import torch.distributed as dist
     if replicas == "nodes":  # full sharding over 2 nodes of 2 ranks: all-gathers in two hops
         return {"ranks_per_node": 2}
+    if replicas == "flat":  # every collective over the 4 ranks at once, wherever they run
+        return {"ranks_per_node": 1}
     if replicas != "groups":
         return {"mesh": _mesh(replicas)}
     rank = dist.get_rank()
@@ -296,3 +300,33 @@ def test_a_full_state_dict_given_on_rank_0_loads_into_every_replica():
     state = _model().state_dict()
     for loaded in run(4, _load_on_rank_0, state):
         assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def _train_as_launched(ranks_per_node, local: int):
+    """``_train`` of full sharding under a launcher that put ``local`` ranks on each node."""
+    import os
+    before = os.environ["LOCAL_WORLD_SIZE"]
+    os.environ["LOCAL_WORLD_SIZE"] = str(local)
+    try:
+        return _train(None if ranks_per_node is None else "flat" if ranks_per_node == 1 else "nodes")
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = before
+
+
+def test_full_sharding_over_launched_nodes_goes_in_two_hops_by_default_and_flat_when_told():
+    default, told, flat = (run(4, _train_as_launched, k, 2)[0] for k in (None, 2, 1))
+    assert default[2] == told[2]  # the ledgers: the launcher's 2 ranks per node, as if given
+    assert all(torch.equal(default[0][k], told[0][k]) for k in told[0])
+    assert "0,2" not in flat[2] and flat[2]["0,1,2,3"] == run(4, _train, None)[0][2]["0,1,2,3"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 6), st.integers(0, 3), st.integers(1, 8))
+def test_launcher_nodes_are_whole_aligned_blocks_of_two_or_more(k, nodes, first, guess):
+    from parts.comm.topology import node_blocks
+    ranks = list(range(first * k, (first + nodes) * k))
+    assert node_blocks(ranks, k) == (k >= 2 and nodes >= 2)
+    if k >= 2 and nodes >= 2:
+        assert not node_blocks(ranks[1:] + [ranks[-1] + 1], k)  # shifted off the node boundaries
+        assert node_blocks(ranks, guess) == (guess >= 2 and len(ranks) % guess == 0
+                                             and len(ranks) > guess and ranks[0] % guess == 0)

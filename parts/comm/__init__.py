@@ -20,7 +20,7 @@ from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size, hybrid_groups,
                               global_rank, group_info, is_distributed, is_member, require_distributed,
                               resolve_group)
-from parts.comm.topology import Topology
+from parts.comm.topology import Topology, launcher_ranks_per_node
 from parts.comm.compressed import (Codec, all_gather_quantized, all_reduce_mean_quantized,
                                    reduce_scatter_quantized)
 from parts.comm.quantize import ErrorFeedback, Quantized, dequantize, quantize
@@ -34,7 +34,8 @@ __all__ = [
     "all_reduce", "all_reduce_async", "min_max", "broadcast", "broadcast_object", "all_gather_objects",
     "all_gather_list",
     "new_group", "comm_device", "group_key", "all_gather_direct", "reduce_scatter_consuming",
-    "Waitable", "Work", "WorkList", "Topology", "agree", "RankDisagreement", "fake_world", "block_layout",
+    "Waitable", "Work", "WorkList", "Topology", "launcher_ranks_per_node",
+    "agree", "RankDisagreement", "fake_world", "block_layout",
     "Codec", "all_gather_quantized", "reduce_scatter_quantized", "all_reduce_mean_quantized",
     "ErrorFeedback", "Quantized", "quantize", "dequantize",
 ]

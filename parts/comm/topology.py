@@ -15,13 +15,34 @@ of the default group must call it, with the same arguments, in the same order.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from parts.comm.group import GroupInfo, group_info
 from parts.comm.work import Waitable
+
+
+def node_blocks(ranks: Sequence[int], ranks_per_node: int) -> bool:
+    """Whether the global ``ranks`` (ascending) are whole nodes of ``ranks_per_node`` ranks each
+    (global rank ``r`` on node ``r // ranks_per_node``, as launchers number them), two or more."""
+    k = ranks_per_node
+    if k < 2 or len(ranks) % k or len(ranks) == k or list(ranks) != sorted(ranks):
+        return False
+    blocks = [ranks[i:i + k] for i in range(0, len(ranks), k)]
+    return all(list(b) == list(range(b[0], b[0] + k)) and b[0] % k == 0 for b in blocks)
+
+
+def launcher_ranks_per_node(ranks: Sequence[int]) -> Optional[int]:
+    """The launcher's ranks per node (``LOCAL_WORLD_SIZE``, as torchrun sets it) if ``ranks``
+    span several whole nodes of it, else None: the default of ``partitioned(ranks_per_node=)``."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return None
+    return local if node_blocks(ranks, local) else None
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from parts.partition.construction import intercept as _intercept
-from parts.comm import GroupArg, GroupInfo, Topology, broadcast, hybrid_groups
+from parts.comm import GroupArg, GroupInfo, Topology, broadcast, hybrid_groups, launcher_ranks_per_node
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
@@ -308,7 +308,9 @@ class partitioned:
     (replicate, shard) as FSDP2 takes it) keeps the shards on ``group`` and one copy of them
     on every member of ``replicate_group``; grad shards are averaged across it.
     ``ranks_per_node``: the shard group spans nodes of that many ranks (node after node); its
-    all-gathers then cross between nodes once per byte (``parts.comm.topology``)."""
+    all-gathers and reduce-scatters then cross between nodes once per byte
+    (``parts.comm.topology``). By default it is the launcher's ``LOCAL_WORLD_SIZE`` when the
+    shard group spans several whole nodes of it; 1 keeps every collective flat."""
 
     def __init__(self, group: GroupArg = None, *, dtype: Optional[torch.dtype] = None,
                  device: Any = None, remote_device: Any = None, pin_memory: bool = False,
@@ -353,6 +355,8 @@ def _spec(group: GroupArg, replicate_group: GroupArg, mesh: Any, ranks_per_node:
     over ``replicate_group`` (or the mesh's replicate dim) when there is one; all-gathers in two
     hops with ``ranks_per_node``."""
     info, replica = hybrid_groups(group, replicate_group, mesh, "parts.partition")
+    if ranks_per_node is None:
+        ranks_per_node = launcher_ranks_per_node(info.global_ranks())
     if ranks_per_node is not None and info.world_size > 1:
         info = dataclasses.replace(info, topology=Topology.build(info, ranks_per_node))
     return ShardSpec(info, *args, replica=replica)

@@ -165,12 +165,7 @@ def gather(params: Iterable[nn.Parameter], group: GroupArg = None, async_op: boo
     handle = GatherHandle([], joined=joined.values())
     if todo:
         handle = _launch(todo, info, async_op, pool, joined.values(), compute)
-        for _, m in todo:
-            m.status, m.handle = ParamStatus.INFLIGHT, handle
-    if not async_op:
-        handle.wait()
-        return None
-    return handle
+    return _in_flight(handle, todo, async_op)
 
 
 @internal
@@ -184,7 +179,11 @@ def gather_from(params: list[nn.Parameter], sources: list[torch.Tensor], info: G
     for _, m in pairs:
         if m.status is not ParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"gather_from: {m.describe()} is {m.status.value}, not released")
-    handle = _launch(pairs, info, async_op, pool, (), True, sources)
+    return _in_flight(_launch(pairs, info, async_op, pool, (), True, sources), pairs, async_op)
+
+
+def _in_flight(handle: GatherHandle, pairs: list, async_op: bool) -> Optional[GatherHandle]:
+    """Mark ``pairs``' records in flight on ``handle``; wait for it unless ``async_op``."""
     for _, m in pairs:
         m.status, m.handle = ParamStatus.INFLIGHT, handle
     if not async_op:
