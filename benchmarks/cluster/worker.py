@@ -72,7 +72,7 @@ def build_parts_full(config, two_hop=False, secondary=None):
     and reduce-scatters that know the nodes (``ranks_per_node``); ``secondary``: node-local
     backward gathers (``attach(secondary_group=)``, ZeRO++ hpZ)."""
     from parts.partition import attach, partitioned, shards
-    with partitioned(**({"ranks_per_node": int(os.environ["LOCAL_WORLD_SIZE"])} if two_hop else {})):
+    with partitioned(ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"]) if two_hop else 1):  # 1: flat
         model = GPT(config)
     coordinator = attach(model, persistence_threshold=0, secondary_group=secondary)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
