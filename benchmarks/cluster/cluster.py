@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--delay", default="", help="netem delay on each end (e.g. 1ms); none by default")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--record-as", default="", help="a suffix of the results file: a run of some systems apart")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the systems this many times, interleaved; each system's median-step run is kept")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per system")
@@ -197,6 +198,7 @@ def main() -> None:
     if args.no_record:
         return
     bench = "bench_cluster" if (args.rate, args.delay) == ("1gbit", "") else f"bench_cluster_{args.rate}{args.delay}"
+    bench += f"_{args.record_as}" if args.record_as else ""
     record(bench, {"rows": rows, "summary": {"rate": args.rate, "delay": args.delay or "none", "steps": args.steps,
                                             "rounds": args.rounds},
                    "ledgers": {name: r["ledger"] for name, r in results.items()}})

@@ -55,27 +55,34 @@ def _node_group():
     return groups[dist.get_rank() // local]
 
 
-def build_parts_hybrid(config, secondary=None):
+def build_parts_hybrid(config, secondary=None, compression=None):
     """parts with a hybrid layout on the same mesh, the knobs of bench_zero3's ``parts``; no
     gradient accumulation here, so the cross-replica mean overlaps each backward. ``secondary``:
-    node-local backward gathers (the shard group is the node here: they change nothing)."""
+    node-local backward gathers (the shard group is the node here: they change nothing);
+    ``compression``: a ``parts.partition.Compression`` policy."""
     from parts.partition import attach, partitioned, set_replica_sync, shards
     with partitioned(mesh=_mesh()):
         model = GPT(config)
-    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary)
+    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary, compression=compression)
     set_replica_sync(coordinator, "backward")
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
 
-def build_parts_full(config, two_hop=False, secondary=None):
+def build_parts_full(config, two_hop=False, secondary=None, compression=None):
     """parts full sharding with the knobs of bench_zero3's ``parts``; ``two_hop``: all-gathers
     and reduce-scatters that know the nodes (``ranks_per_node``); ``secondary``: node-local
-    backward gathers (``attach(secondary_group=)``, ZeRO++ hpZ)."""
+    backward gathers (``attach(secondary_group=)``, ZeRO++ hpZ); ``compression``: a policy."""
     from parts.partition import attach, partitioned, shards
     with partitioned(ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"]) if two_hop else 1):  # 1: flat
         model = GPT(config)
-    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary)
+    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary, compression=compression)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
+
+
+def _slow_link(**codes):
+    """Int8 codes on the collectives that cross between the nodes only."""
+    from parts.partition import Compression
+    return Compression(on="replicas", **codes)
 
 
 def _cpu_seconds() -> float:
@@ -102,7 +109,10 @@ BUILDERS = {"ddp": z.build_ddp, "fsdp2": z.build_fsdp2, "fsdp2_hsdp": build_fsdp
             "parts_hpz": lambda c: build_parts_full(c, secondary=_node_group()),
             "parts_topo_hpz": lambda c: build_parts_full(c, two_hop=True, secondary=_node_group()),
             "parts_hybrid": build_parts_hybrid,
-            "parts_hybrid_hpz": lambda c: build_parts_hybrid(c, secondary=_node_group())}
+            "parts_hybrid_hpz": lambda c: build_parts_hybrid(c, secondary=_node_group()),
+            "parts_hybrid_g8": lambda c: build_parts_hybrid(c, compression=_slow_link(grads="int8")),
+            "parts_topo_w8g8": lambda c: build_parts_full(c, two_hop=True,
+                                                          compression=_slow_link(weights="int8", grads="int8"))}
 
 
 def main() -> None:
