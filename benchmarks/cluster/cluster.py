@@ -47,8 +47,8 @@ from record import record  # noqa: E402
 NODES = ("parts-node0", "parts-node1")
 VETH = ("parts-veth0", "parts-veth1")
 ADDRS = ("198.18.0.1", "198.18.0.2")
-SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "parts", "parts_topo", "parts_hpz", "parts_topo_hpz", "parts_hybrid",
-           "parts_hybrid_hpz")
+SYSTEMS = ("ddp", "fsdp2", "fsdp2_hsdp", "fsdp2_hsdp_keep", "parts", "parts_topo", "parts_hpz", "parts_topo_hpz",
+           "parts_hybrid", "parts_hybrid_keep", "parts_hybrid_hpz")
 
 
 def _sh(*cmd: str, ns: str = "") -> str:

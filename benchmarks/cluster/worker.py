@@ -55,15 +55,31 @@ def _node_group():
     return groups[dist.get_rank() // local]
 
 
-def build_parts_hybrid(config, secondary=None, compression=None):
+def build_fsdp2_hsdp_keep(config):
+    """FSDP2 HSDP that keeps each block's params gathered from forward to backward
+    (``reshard_after_forward=False``: ZeRO-2 inside the node)."""
+    from torch.distributed.fsdp import fully_shard
+    mesh = _mesh()
+    model = GPT(config)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
+
+
+def build_parts_hybrid(config, secondary=None, compression=None, keep=False):
     """parts with a hybrid layout on the same mesh, the knobs of bench_zero3's ``parts``; no
     gradient accumulation here, so the cross-replica mean overlaps each backward. ``secondary``:
     node-local backward gathers (the shard group is the node here: they change nothing);
-    ``compression``: a ``parts.partition.Compression`` policy."""
+    ``compression``: a ``parts.partition.Compression`` policy; ``keep``: a reuse distance that
+    spans the model, so params gathered in forward stay until backward used them (ZeRO-2 inside
+    the node, FSDP2's ``reshard_after_forward=False``)."""
     from parts.partition import attach, partitioned, set_replica_sync, shards
     with partitioned(mesh=_mesh()):
         model = GPT(config)
-    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary, compression=compression)
+    reuse = {"max_reuse_distance": 1 << 40} if keep else {}
+    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary, compression=compression,
+                         **reuse)
     set_replica_sync(coordinator, "backward")
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
@@ -109,6 +125,8 @@ BUILDERS = {"ddp": z.build_ddp, "fsdp2": z.build_fsdp2, "fsdp2_hsdp": build_fsdp
             "parts_hpz": lambda c: build_parts_full(c, secondary=_node_group()),
             "parts_topo_hpz": lambda c: build_parts_full(c, two_hop=True, secondary=_node_group()),
             "parts_hybrid": build_parts_hybrid,
+            "parts_hybrid_keep": lambda c: build_parts_hybrid(c, keep=True),
+            "fsdp2_hsdp_keep": build_fsdp2_hsdp_keep,
             "parts_hybrid_hpz": lambda c: build_parts_hybrid(c, secondary=_node_group()),
             "parts_hybrid_g8": lambda c: build_parts_hybrid(c, compression=_slow_link(grads="int8")),
             "parts_topo_w8g8": lambda c: build_parts_full(c, two_hop=True,
