@@ -3,26 +3,27 @@
     sudo python benchmarks/cluster/cluster.py                  # 1 Gbit/s, 5 steps per system
     sudo python benchmarks/cluster/cluster.py --rate 10gbit --steps 7
 
-Needs root (it creates network namespaces, a veth pair and tc qdiscs); without root, or
-without ``ip``/``tc``, it says so and exits 2. Two namespaces (``parts-node0``,
-``parts-node1``) are joined by one veth pair whose ends carry 198.18.0.1 and 198.18.0.2 (the
-benchmarking range, 198.18.0.0/24) and egress a ``tc tbf`` limited to ``--rate`` (optional
-``--delay``: netem). Each namespace runs one torchrun launcher with 2 ranks (``--nnodes 2``,
-static rendezvous at 198.18.0.1: torchrun's c10d rendezvous cannot tell which namespace hosts
-its store), gloo bound to the veth (``GLOO_SOCKET_IFNAME``). No traffic goes anywhere else:
-the namespaces have no other interface but their loopback. The namespaces are deleted at
-the end, whatever happened.
+Needs root (it creates network namespaces, a veth pair and tc qdiscs); without root, or without
+``ip``/``tc``, it says so and exits 2. Two namespaces (``parts-node0``, ``parts-node1``) are
+joined by one veth pair whose ends carry 198.18.0.1 and 198.18.0.2 (the benchmarking range,
+198.18.0.0/24) and egress a ``tc tbf`` limited to ``--rate`` (optional ``--delay``: netem;
+``--rate none``: no limit, the step's floor). Each namespace runs one torchrun launcher with 2
+ranks (``--nnodes 2``, static rendezvous at 198.18.0.1: torchrun's c10d rendezvous cannot tell
+which namespace hosts its store), gloo bound to the veth (``GLOO_SOCKET_IFNAME``). No traffic
+goes anywhere else: the namespaces have no other interface but their loopback. The namespaces
+are deleted at the end, whatever happened.
 
 For each system (DDP, FSDP2 full shard, FSDP2 HSDP 2 x 2, parts full shard, parts full shard
 with two-hop collectives (``ranks_per_node``), each of those two with node-local backward
 gathers (``attach(secondary_group=node)``, ZeRO++ hpZ), parts hybrid 2 x 2 with and without
-them) on the 25M GPT of bench_zero3.py (fp32, AdamW, the same batches): the median step time
-and its phases, CPU seconds per step and rank, peak RSS, the final loss, the bytes that
+them, and FSDP2 HSDP and parts hybrid keeping params gathered from forward to backward:
+``_keep``) on the 25M GPT of bench_zero3.py (fp32, AdamW, the same batches): the median step
+time and its phases, CPU seconds per step and rank, peak RSS, the final loss, the bytes that
 crossed the link (the veth's own counters in node 0, each direction: per step over the steps
-after the first, and for the whole run, setup included), for parts the bytes its ledger
-counted per group, and how busy other processes kept the machine meanwhile (their CPU
-seconds per second: the machine has few cores and may be shared). ``--rounds N`` runs the
-systems N times interleaved and keeps each one's median-step run. Results go to
+after the first, and for the whole run, setup included), for parts the bytes its ledger counted
+per group, and how busy other processes kept the machine meanwhile (their CPU seconds per
+second: the machine has few cores and may be shared). ``--rounds N`` runs the systems N times
+interleaved and keeps each one's median-step run. Results go to
 ``benchmarks/results/bench_cluster.jsonl`` (1 Gbit/s, no delay; another link to
 ``bench_cluster_<rate><delay>.jsonl``, e.g. ``bench_cluster_10gbit.jsonl``).
 """
@@ -81,6 +82,8 @@ def build(rate: str, delay: str) -> None:
         _sh("ip", "addr", "add", f"{addr}/24", "dev", dev, ns=ns)
         _sh("ip", "link", "set", dev, "up", ns=ns)
         _sh("ip", "link", "set", "lo", "up", ns=ns)
+        if rate == "none":  # no limit: the link is as fast as the veth copies (the compute floor)
+            continue
         if delay:
             _sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", delay, ns=ns)
             _sh("tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", "tbf", "rate", rate,
@@ -160,7 +163,7 @@ def _print(results: dict, args: argparse.Namespace) -> None:
 def main() -> None:
     """Build the cluster, run every system, record, tear down."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rate", default="1gbit", help="tc tbf rate of each direction")
+    ap.add_argument("--rate", default="1gbit", help="tc tbf rate of each direction ('none': no limit)")
     ap.add_argument("--delay", default="", help="netem delay on each end (e.g. 1ms); none by default")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
