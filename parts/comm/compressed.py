@@ -5,7 +5,10 @@
   codes and scales are all-gathered as bytes (gloo refuses float8 but carries uint8), every
   rank dequantizes every rank's chunk into the output's dtype: all ranks hold the same values.
   Over a group with a topology both hops carry the codes (each byte crosses between nodes
-  once; the node hop forwards what crossed, so nothing is quantized twice).
+  once; the node hop forwards what crossed, so nothing is quantized twice). ``keep`` receives
+  the gathered codes of every piece (all ranks' rows), for a later gather of them.
+* ``all_gather_rows``: rows of codes already made (a node's share of such a gather, kept)
+  all-gathered as they are and dequantized: the values the first gather gave, bitwise.
 * ``reduce_scatter_quantized``: each rank quantizes the chunk it sends each peer (plus that
   chunk's error-feedback residual), the chunks go by a direct exchange (one send and one
   receive per peer), and each rank sums, in fp32 and rank order, the dequantized chunks it
@@ -51,6 +54,21 @@ def row_bytes(numels: Sequence[int], codec: Codec) -> int:
     codes, and zeros up to a multiple of 4 (so every row's scales can be read as fp32)."""
     raw = sum(4 * num_blocks(n, codec.block) + code_bytes(n, codec.bits) for n in numels)
     return -(-raw // 4) * 4
+
+
+def gather_bytes(numels: Sequence[int], world_size: int, codec: Codec) -> int:
+    """Bytes one rank receives in ``all_gather_quantized`` of pieces of ``numels`` elements per
+    rank over ``world_size`` ranks (the counter's convention: ``world_size - 1`` rows)."""
+    return (world_size - 1) * row_bytes(numels, codec)
+
+
+def gather_shares(numels: Sequence[int], world_size: int, codec: Codec) -> list[int]:
+    """Each piece's share of ``gather_bytes(numels, ...)``: its scales and codes, the row's
+    alignment counted on the last piece (so the shares sum to the gather's bytes)."""
+    shares = [(world_size - 1) * (4 * num_blocks(n, codec.block) + code_bytes(n, codec.bits)) for n in numels]
+    if shares:
+        shares[-1] += gather_bytes(numels, world_size, codec) - sum(shares)
+    return shares
 
 
 def to_wire(qs: Sequence[Quantized]) -> torch.Tensor:
@@ -99,9 +117,11 @@ def _all_gather_bytes(recv: torch.Tensor, send: torch.Tensor, info: GroupInfo, k
 
 @torch.no_grad()
 def all_gather_quantized(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor], info: GroupInfo,
-                         codec: Codec, async_op: bool = False) -> Optional[Waitable]:
+                         codec: Codec, async_op: bool = False,
+                         keep: Optional[list[Quantized]] = None) -> Optional[Waitable]:
     """Every rank's 1-D ``ins[k]`` (any float dtype) quantized, gathered as codes and scales and
-    dequantized into ``outs[k]`` (``world * len(ins[k])`` elements, rank order, ``outs[k]``'s dtype)."""
+    dequantized into ``outs[k]`` (``world * len(ins[k])`` elements, rank order, ``outs[k]``'s dtype);
+    ``keep`` (a list) gets each piece's codes of every rank (views of the received bytes)."""
     world = info.world_size
     send = to_wire([quantize(i.reshape(1, -1), codec.block, codec.bits) for i in ins]).view(-1)
     recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
@@ -109,8 +129,30 @@ def all_gather_quantized(outs: Sequence[torch.Tensor], ins: Sequence[torch.Tenso
     numels = [i.numel() for i in ins]
 
     def unpack() -> None:
-        for out, q in zip(outs, from_wire(recv.view(world, -1), numels, codec)):
+        pieces = from_wire(recv.view(world, -1), numels, codec)
+        for out, q in zip(outs, pieces):
             dequantize(q, out=out.view(world, -1))  # straight into the output, cast as stored
+        if keep is not None:
+            keep.extend(pieces)
+
+    return finish(FinishAfter(work, unpack), async_op)
+
+
+@torch.no_grad()
+def all_gather_rows(outs: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], numels: Sequence[int],
+                    info: GroupInfo, codec: Codec, async_op: bool = False) -> Optional[Waitable]:
+    """Each member's ``rows[k]`` ((r, ``row_bytes([numels[k]])``) uint8: ``to_wire`` rows of
+    ``numels[k]`` elements, the same ``r`` on every member) gathered in member order and
+    dequantized into ``outs[k]`` (``world * r * numels[k]`` elements, ``outs[k]``'s dtype)."""
+    world, r = info.world_size, rows[0].shape[0]
+    widths = [x.shape[1] for x in rows]
+    send = torch.cat(list(rows), 1).reshape(-1)
+    recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
+    work = _all_gather_bytes(recv, send, info, "allgather")
+
+    def unpack() -> None:
+        for out, piece, n in zip(outs, recv.view(world * r, -1).split(widths, 1), numels):
+            dequantize(from_wire(piece, [n], codec)[0], out=out.view(world * r, -1))
 
     return finish(FinishAfter(work, unpack), async_op)
 

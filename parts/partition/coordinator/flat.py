@@ -36,7 +36,7 @@ from parts.comm import all_gather_many, all_gather_quantized, comm_counter, redu
 from parts.partition.coordinator.plan import collective_bytes
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.core import disk
-from parts.partition.core.compression import compressed_grads, reduce_compressed, weight_codec
+from parts.partition.core.compression import compressed_grads, gather_wire_bytes, reduce_compressed, weight_codec
 from parts.partition.core.grad_guard import as_grad_shard, internal, raw_grad
 from parts.partition.core.grad_guard import set_raw_grad as _set_grad
 from parts.partition.core.grads import accumulate_into
@@ -90,7 +90,8 @@ class FlatGather:
         self.dtype = wanted_dtype(first, True)
         self.cast = first.shard.dtype != self.dtype or first.shard.device != self.device
         self.sizes = [m.layout.shard_numel for m in self.records]
-        self.nbytes = [collective_bytes(s, self.world, self.dtype.itemsize) for s in self.sizes]
+        wire = gather_wire_bytes(self.records, self.info)  # codes: what travels (core/compression.py)
+        self.nbytes = wire or [collective_bytes(s, self.world, self.dtype.itemsize) for s in self.sizes]
         watch_shards(self.records)
         self.shard_ids = [id(m.shard) for m in self.records]
 

@@ -20,6 +20,7 @@ from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import BACKWARD, FORWARD
+from parts.partition.core.compression import gather_wire_bytes
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, is_stale, wanted_dtype
 
@@ -68,8 +69,9 @@ class LiveSet:
         kinds = dict(zip(ids, kind)) if isinstance(kind, list) else {}
         fresh = [pid for pid in todo if recs[pid].status is _NOT_AVAILABLE]
         near = self._from_secondary(fresh)
+        wire = self._wire_bytes([pid for pid in fresh if pid not in near])
         for pid in fresh:
-            self._note_gathered(pid, self._pass_key(kinds.get(pid, kind)), pid in near)
+            self._note_gathered(pid, self._pass_key(kinds.get(pid, kind)), pid in near, wire.get(pid))
         self.counters.allgather_calls += bool(near) + bool(len(fresh) > len(near))
         if near:  # over the node group; the others (and joins of in-flight ones) over the shard group
             self.secondary.gather(near, self.table.select(near), async_op, self.pool)
@@ -90,10 +92,18 @@ class LiveSet:
             return BACKWARD, self.backwards
         return (FORWARD, self.forwards) if kind == FORWARD else (BACKWARD, self.backwards + 1)
 
-    def _note_gathered(self, pid: int, pass_key: tuple, near: bool = False) -> None:
+    def _wire_bytes(self, ids: list[int]) -> dict[int, int]:
+        """Each of ``ids``' bytes in one gather of them that travels as codes (core/compression.py), else {}."""
+        records = [self.table.records[pid] for pid in ids]
+        shares = gather_wire_bytes(records, records[0].info) if records else None
+        return dict(zip(ids, shares)) if shares is not None else {}
+
+    def _note_gathered(self, pid: int, pass_key: tuple, near: bool = False, nbytes: Optional[int] = None) -> None:
         m = self.table.records[pid]
-        self.counters.gathered(pid, self.secondary.wire_bytes(pid) if near else collective_bytes(
-            m.layout.shard_numel, m.world_size, wanted_dtype(m, True).itemsize))
+        if nbytes is None:
+            nbytes = self.secondary.wire_bytes(pid) if near else collective_bytes(
+                m.layout.shard_numel, m.world_size, wanted_dtype(m, True).itemsize)
+        self.counters.gathered(pid, nbytes)
         self._count_pass(pid, pass_key)
         if pid not in self.table.persistent and pid not in self.live:
             self.live[pid] = m.numel
@@ -238,8 +248,9 @@ class LiveSet:
         self.counters.persistent_gathers += len(ids)
         self.counters.allgather_calls += 1
         key = self._pass_key(FORWARD)
+        wire = self._wire_bytes(ids)
         for pid in ids:
-            self._note_gathered(pid, key)
+            self._note_gathered(pid, key, nbytes=wire.get(pid))
         gather(self.table.select(ids), self.group, async_op=async_op, pool=self.pool, compute=True)
 
     def refresh_flat(self, flat: "FlatGather", how: str) -> None:

@@ -12,6 +12,12 @@ the step. It is never used once its shard changed: each one carries the shard's 
 (``shard_version``: optimizer steps, fused ones too, and any write) and is dropped instead of
 used when that differs; an optimizer step outside backward drops them all.
 
+With ``Compression(weights="int8", on="all")`` a secondary shard is the codes and scales of
+the ``w / k`` shards in its block, as the forward's compressed gather received them, and the
+node all-gathers those codes: the values are bitwise the forward's, the node moves about a
+quarter of the bytes. With ``on="replicas"`` it stays in the compute dtype (it never crosses
+between nodes).
+
 Memory: at most ``numel / k`` elements of each non-persistent parameter released in a
 forward whose backward is still to come (``stats().secondary_bytes``: the peak of a step).
 
@@ -31,6 +37,8 @@ from torch import nn
 from parts._compat import in_backward
 from parts.comm import GroupArg, GroupInfo, ProcessGroup, all_gather_objects, group_info, is_distributed
 from parts.base.storage_pool import StoragePool
+from parts.comm.compressed import Codec, to_wire
+from parts.comm.quantize import Quantized
 from parts.partition.core import steps as optimizer_steps
 from parts.partition.core.gather import GatherHandle, gather_from, padded_full
 from parts.partition.core.param import ParamMeta, ParamStatus, meta, shard_version, wanted_dtype
@@ -59,11 +67,17 @@ def node_block_size(shard_ranks: Sequence[int], node_ranks: Sequence[Sequence[in
     return sizes.pop()
 
 
+def _coded(block: torch.Tensor, m: ParamMeta) -> bool:
+    """True if ``block`` is kept as codes: bytes standing for a floating-point parameter."""
+    return block.dtype == torch.uint8 and m.shard.is_floating_point()
+
+
 class SecondaryShards:
     """The secondary shards of one coordinator: stable id -> (block, the shard's version then)."""
 
-    def __init__(self, node: GroupInfo, shard_group: GroupArg, counters: StepCounters) -> None:
-        self.node, self.counters = node, counters
+    def __init__(self, node: GroupInfo, shard_group: GroupArg, counters: StepCounters,
+                 codec: Optional[Codec] = None) -> None:
+        self.node, self.counters, self.codec = node, counters, codec  # codec: blocks kept as codes
         self.shard_group = shard_group
         self.kept: dict[int, tuple[torch.Tensor, tuple, ParamMeta]] = {}
         self.nbytes = 0
@@ -88,7 +102,11 @@ class SecondaryShards:
         every = all_gather_objects(node.global_ranks(), shard.group) if shard.world_size > 1 else []
         if shard.world_size == 1 or node_block_size(shard.global_ranks(), every) in (0, 1):
             return None
-        return SecondaryShards(node, shard.group, counters)
+        state = records[0].compression
+        codec = state.node_weights() if state is not None else None
+        if codec is not None:
+            state.keep_codes = True  # the weight gathers keep their codes for keep()
+        return SecondaryShards(node, shard.group, counters, codec)
 
     def close(self) -> None:
         """Detach: drop every secondary shard, stop following optimizer steps."""
@@ -104,11 +122,20 @@ class SecondaryShards:
         full = padded_full(p) if m.info.group is self.shard_group else None
         if full is None:
             return
-        size = full.numel() // self.node.world_size
-        block = full[self.node.rank * size:(self.node.rank + 1) * size].clone()
+        if self.codec is not None and isinstance(m.full_codes, Quantized):
+            block = self._codes_block(m.full_codes)
+        else:
+            size = full.numel() // self.node.world_size
+            block = full[self.node.rank * size:(self.node.rank + 1) * size].clone()
         self.kept[pid] = (block, shard_version(m), m)
         self.nbytes += block.numel() * block.element_size()
         self.counters.secondary_bytes = max(self.counters.secondary_bytes, self.nbytes)
+
+    def _codes_block(self, q: Quantized) -> torch.Tensor:
+        """This rank's block of the gathered codes ``q`` (a row per shard): its rows as wire bytes."""
+        rows = q.scales.shape[0] // self.node.world_size
+        mine = slice(self.node.rank * rows, (self.node.rank + 1) * rows)
+        return to_wire([Quantized(q.codes[mine], q.scales[mine], q.numel, q.block, q.bits)])
 
     def usable(self, pid: int, m: ParamMeta) -> bool:
         """True if ``pid`` has a secondary shard that matches its shard now (else it is dropped)."""
@@ -116,7 +143,7 @@ class SecondaryShards:
         if item is None:
             return False
         if (m.status is ParamStatus.NOT_AVAILABLE and item[1] == shard_version(m)
-                and item[0].dtype == wanted_dtype(m, True)):
+                and (item[0].dtype == wanted_dtype(m, True) or _coded(item[0], m))):
             return True
         self.drop([pid])
         return False
@@ -126,7 +153,15 @@ class SecondaryShards:
                pool: Optional[StoragePool]) -> Optional[GatherHandle]:
         """All-gather the full tensors of ``ids`` (usable, sorted) from the secondary shards over the node."""
         self.counters.secondary_params += len(ids)
-        return gather_from(list(params), [self.kept[pid][0] for pid in ids], self.node, async_op, pool)
+        blocks = [self.kept[pid][0] for pid in ids]
+        coded = [_coded(self.kept[pid][0], self.kept[pid][2]) for pid in ids]
+        handle = None
+        for codes in (False, True):  # blocks kept as values, then as codes (the same split on every member)
+            chosen = [k for k, c in enumerate(coded) if c is codes]
+            if chosen:
+                handle = gather_from([params[k] for k in chosen], [blocks[k] for k in chosen], self.node,
+                                     async_op, pool, self.codec if codes else None)
+        return handle
 
     def wire_bytes(self, pid: int) -> int:
         """Bytes this rank receives gathering ``pid`` over the node (``stats()``' convention)."""

@@ -4,6 +4,9 @@ Bytes are counted from the coordinator's own calls, per rank, with the formula o
 ``parts.partition.coordinator.plan.collective_bytes``: gathering a parameter whose shard holds ``s``
 elements of ``b`` bytes over ``w`` ranks counts ``(w - 1) * s * b`` (what this rank
 receives), reduce-scattering its grad in fp32 counts ``(w - 1) * s * 4`` (what it sends).
+A gather that travels as codes (``Compression(weights="int8")``) counts its codes, scales and
+row alignment (``parts.comm.compressed.gather_bytes``), a gather from secondary shards what
+the node group moved, reduce-scatters what the collective sent: the ledger's bytes.
 Parameters already gathered or in flight cost nothing. All counters are plain integers.
 """
 

@@ -9,6 +9,11 @@ residuals) on every sharded parameter's record; the coordinator's collectives re
   dtype (``parts.comm.compressed.all_gather_quantized``). The fp32 shards stay the masters, so
   the quantization error never accumulates in the weights. Gathers outside the coordinator
   (``gathered``, ``full_state_dict``) stay in full precision.
+* node-local backward gathers (``attach(secondary_group=...)``, hpZ) with ``on="all"``: the
+  primary gather's codes are kept with the gathered parameter (``ParamMeta.full_codes``), each
+  rank keeps its node's share of them as its secondary shard, and the node all-gathers those
+  codes (``all_gather_rows``): bitwise the values the primary gather gave. With
+  ``on="replicas"`` they stay in the compute dtype: they never cross between nodes.
 * grads (``grads="int8"`` or ``"int4"``): the grad reduce-scatters and a hybrid layout's
   cross-replica mean travel as codes with error feedback, one residual per parameter and hop;
   the grad shards still sum and accumulate in fp32 across micro-batches.
@@ -37,7 +42,7 @@ import torch
 from torch import nn
 
 from parts.comm import GroupInfo, Waitable
-from parts.comm.compressed import Codec, reduce_scatter_quantized
+from parts.comm.compressed import Codec, gather_shares, reduce_scatter_quantized
 from parts.comm.quantize import BITS, ErrorFeedback
 from parts.partition.core.param import ParamMeta, is_partitioned, meta
 
@@ -74,12 +79,17 @@ class CompressionState:
         self.feedback = ErrorFeedback()
         self._weights = Codec(8, policy.block) if policy.weights else None
         self._grads = Codec(BITS[policy.grads], policy.block) if policy.grads else None
+        self.keep_codes = False  # a secondary store reuses the codes of the weight gathers
 
     def weights(self, info: GroupInfo) -> Optional[Codec]:
         """The codec of a weight all-gather over ``info`` (None: full precision)."""
         if self._weights is None or (self.policy.on == "replicas" and info.topology is None):
             return None
         return self._weights
+
+    def node_weights(self) -> Optional[Codec]:
+        """The codec of the node-local backward gathers of a ``secondary_group`` (None: compute dtype)."""
+        return self._weights if self.policy.on == "all" else None
 
     def grads(self, info: GroupInfo) -> Optional[tuple[Optional[Codec], Codec]]:
         """``(node hop, flat or across hop)`` codecs of a grad reduce-scatter over ``info`` (None: full precision)."""
@@ -105,6 +115,21 @@ def weight_codec(records: Sequence[ParamMeta], info: GroupInfo) -> Optional[Code
     if state is None or not all(m.shard.is_floating_point() for m in records):  # codes stand for real numbers
         return None
     return state.weights(info)
+
+
+def keeps_codes(records: Sequence[ParamMeta]) -> bool:
+    """True if a compressed gather of ``records`` keeps its codes on them (for a secondary store)."""
+    state = state_of(records)
+    return state is not None and state.keep_codes
+
+
+def gather_wire_bytes(records: Sequence[ParamMeta], info: GroupInfo) -> Optional[list[int]]:
+    """The bytes this rank receives for each of ``records`` in one coordinator gather over
+    ``info`` if it travels as codes (the row's alignment counted on the last), else None."""
+    codec = weight_codec(records, info)
+    if codec is None:
+        return None
+    return gather_shares([m.layout.shard_numel for m in records], info.world_size, codec)
 
 
 def compressed_grads(records: Sequence[ParamMeta], info: GroupInfo) -> bool:

@@ -27,8 +27,9 @@ from torch import nn
 
 from parts.base.storage_pool import StoragePool
 from parts.comm import GroupArg, GroupInfo, all_gather_many, all_gather_quantized
+from parts.comm.compressed import Codec, all_gather_rows
 from parts.partition.core import disk
-from parts.partition.core.compression import weight_codec
+from parts.partition.core.compression import keeps_codes, weight_codec
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, common_info, empty_like_released,
                                    internal, is_partitioned, is_stale, meta, metas_sorted, stamp,
                                    wanted_dtype)
@@ -69,13 +70,15 @@ class GatherHandle:
 
 def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[StoragePool],
             joined: Iterable[GatherHandle], compute: bool,
-            sources: Optional[list[torch.Tensor]] = None) -> GatherHandle:
+            sources: Optional[list[torch.Tensor]] = None, codec: Optional[Codec] = None) -> GatherHandle:
     """Start the all-gather of every shard straight into its full tensor; the handle finishes.
     With ``compute`` each shard is cast to its policy's compute dtype *before* the collective,
     so the wire carries (and the full tensor holds) that dtype. ``sources``: what each rank
-    sends instead of its shard (``gather_from``)."""
+    sends instead of its shard (``gather_from``; with ``codec``, rows of codes)."""
     sends, fulls, parked = [], [], []
-    codec = weight_codec([m for _, m in pairs], info) if compute and sources is None else None
+    records = [m for _, m in pairs]
+    codec = weight_codec(records, info) if compute and sources is None else codec
+    codes: Optional[list] = [] if sources is None and codec is not None and keeps_codes(records) else None
     for k, (p, m) in enumerate(pairs):
         current = p.data if m.status is ParamStatus.AVAILABLE else None  # a stale one: refill it
         stamp(m)  # the full tensor will hold the shards as sent now
@@ -93,13 +96,19 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
         full = _full_for(m, pool, dtype, current)
         fulls.append(full if full[0] is not current else (None, full[1]))  # refilled in place: as is
     outs = [flat for _, flat in fulls]
-    work = (all_gather_quantized(outs, sends, info, codec, async_op) if codec is not None
-            else all_gather_many(outs, sends, info, async_op=async_op))
+    if codec is None:
+        work = all_gather_many(outs, sends, info, async_op=async_op)
+    elif sources is None:
+        work = all_gather_quantized(outs, sends, info, codec, async_op, keep=codes)
+    else:
+        work = all_gather_rows(outs, sends, [m.layout.shard_numel for m in records], info, codec, async_op)
 
     def unpack() -> None:
         for shard in parked:
             disk.after_send(shard)
-        for (p, m), (full, _) in zip(pairs, fulls):
+        for k, ((p, m), (full, _)) in enumerate(zip(pairs, fulls)):
+            if codes:  # every rank's codes of the parameter, for its secondary shard
+                m.full_codes = codes[k]
             if full is not None:
                 p.data = full
                 m.full_ptr, m.in_flat = full.untyped_storage().data_ptr(), False
@@ -170,16 +179,18 @@ def gather(params: Iterable[nn.Parameter], group: GroupArg = None, async_op: boo
 
 @internal
 def gather_from(params: list[nn.Parameter], sources: list[torch.Tensor], info: GroupInfo,
-                async_op: bool = False, pool: Optional[StoragePool] = None) -> Optional[GatherHandle]:
+                async_op: bool = False, pool: Optional[StoragePool] = None,
+                codec: Optional[Codec] = None) -> Optional[GatherHandle]:
     """Make the released ``params`` full (in their compute dtype) from ``sources[k]``, this rank's
     block of ``params[k]``'s padded full tensor over ``info``, a subgroup whose members hold the
     other blocks (the coordinator's node-local secondary shards): one group of all-gathers, in
-    the order given (the same on every member); the full tensors hold the bytes ``gather`` gives."""
+    the order given (the same on every member); the full tensors hold the bytes ``gather`` gives.
+    With ``codec`` each block is the codes of its shards (wire rows of a compressed gather)."""
     pairs = [(p, meta(p)) for p in params]
     for _, m in pairs:
         if m.status is not ParamStatus.NOT_AVAILABLE:
             raise RuntimeError(f"gather_from: {m.describe()} is {m.status.value}, not released")
-    return _in_flight(_launch(pairs, info, async_op, pool, (), True, sources), pairs, async_op)
+    return _in_flight(_launch(pairs, info, async_op, pool, (), True, sources, codec), pairs, async_op)
 
 
 def _in_flight(handle: GatherHandle, pairs: list, async_op: bool) -> Optional[GatherHandle]:

@@ -98,7 +98,9 @@ class ParamMeta:
     # member, its grad shard averaged across them (core/replicas.py)
     replica_pending: bool = False  # the grad shard holds this replica's part only, not yet averaged
     compression: Any = field(default=None, repr=False)  # an attached Compression's state (core/compression.py)
-    full_codes: bool = False  # the full tensor holds dequantized codes (a compressed gather), not the masters
+    # truthy: the full tensor holds dequantized codes (a compressed gather), not the masters; the
+    # gathered codes themselves (a Quantized of every rank's row) where a secondary store reuses them
+    full_codes: Any = False
 
     @property
     def status(self) -> ParamStatus:
