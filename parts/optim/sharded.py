@@ -8,6 +8,7 @@ import torch
 
 from parts.partition.core import disk
 from parts.partition.core.param import ParamMeta
+from parts.partition.core.steps import watch as watch_steps
 
 
 class ShardedParam:
@@ -25,6 +26,7 @@ class ShardedParam:
                              f"elements on rank {rank}, its layout says {self.layout.shard_numel}")
         with disk.peek(record.shard):  # a shard on disk is read in for the copy
             self.master = record.shard.detach().to(torch.float32).clone()
+        watch_steps(self.master, record)  # stepped in the shard's stead: its steps count on the record
         self.offloaded = False  # the master lives in the shard's DiskStore (``offload``)
         self.version = self._version()
 

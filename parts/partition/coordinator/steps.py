@@ -14,6 +14,13 @@ parameters whose shards changed are gathered again, synchronously, so ``state_di
 finds them current (the same collective, moved). An optimizer step inside a backward
 (``OffloadedOptimizer.step_in_backward``) leaves them to the ``step()`` that must follow it.
 Reads of shards changed any other way: reads.py.
+
+Only a step of this model's own shards refreshes it: the hook tells every coordinator of the
+process after any optimizer's step, and one whose persistent shards no step counted since
+(``record.steps``, core/steps.py) issues nothing. Another model's optimizer steps so never
+make this one gather; in particular a model dropped without ``detach``, whose coordinator
+lives until a garbage collection that comes at different moments on different ranks, never
+issues a collective that only the ranks still holding it would join.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class Steps:
         self._misses = 0
         self._done = 0
         self._buffers_dirty = True
+        self._own = [table.records[pid] for pid in table.persistent_ids]
+        self._counted = self._own_steps()  # steps counted on them when this coordinator last looked
         self.reads = ReadGuard(root, table)
         optimizer_steps.listen(self.after_optimizer_step)
 
@@ -97,11 +106,20 @@ class Steps:
         self.live.refresh_persistent(todo, stale, self.live.knobs.overlap_comm)
 
     def after_optimizer_step(self) -> None:
-        """An optimizer step ended: gather again (synchronously) the persistent params whose shards
-        it changed, so reads between steps see them. Not in a backward (a step there is left to
-        the ``step()`` after it); params a running forward holds are skipped (``refresh``)."""
-        if not in_backward():
+        """An optimizer step ended: if it (or one in the backward before it) stepped a persistent
+        shard of this model, gather again (synchronously) the persistent params whose shards
+        changed, so reads between steps see them. Not in a backward (a step there is left to the
+        ``step()`` after it); params a running forward holds are skipped (``refresh``)."""
+        if in_backward():
+            return
+        counted = self._own_steps()
+        if counted != self._counted:
+            self._counted = counted
             self.refresh()
+
+    def _own_steps(self) -> int:
+        """Optimizer steps counted so far on this model's persistent shards (only ever grows)."""
+        return sum(m.steps for m in self._own)
 
     def refresh(self) -> None:
         """Gather again the gathered persistent params whose shards changed and nothing holds (one

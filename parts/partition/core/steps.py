@@ -7,14 +7,18 @@ bumping their version counters, so every shard whose version is taken is linked 
 (a weak-keyed lookup: nothing is stored on the tensor, which must stay picklable), and one
 process-wide optimizer step post-hook (torch's ``register_optimizer_step_post_hook``) adds 1
 to ``record.steps`` of every linked shard in the stepped optimizer's param groups; the version
-includes that count.
+includes that count. A wrapper that steps a copy in the shard's stead and writes it back
+(``BF16Optimizer``'s fp32 masters) links the copy to the same record, so its steps count too.
 
 Refreshed. When the outermost optimizer step of a call ends (a wrapper such as
 ``BF16Optimizer`` or ``OffloadedOptimizer`` steps an inner optimizer: only the wrapper's end
-counts), every listener (``listen``: each attached coordinator) is told, and gathers again
-the parameters it keeps gathered whose shards changed, so any read right after ``step()``
-(``state_dict()``, ``named_parameters()``, user code) sees the stepped values. That is the
-refresh the next forward would otherwise do: no collective is added per step.
+counts), every listener (``listen``: each attached coordinator) is told; one whose own
+records' ``steps`` grew gathers again the parameters it keeps gathered whose shards changed,
+so any read right after ``step()`` (``state_dict()``, ``named_parameters()``, user code) sees
+the stepped values. That is the refresh the next forward would otherwise do: no collective is
+added per step. A listener must issue a collective only for its own records: the listeners
+are process-wide, and a model dropped without ``detach`` stays one until a garbage collection
+that comes at different moments on different ranks.
 
 Checked. A process-wide step pre-hook refuses an optimizer whose param groups hold a sharded
 parameter itself (built over ``model.parameters()``): between steps such a parameter holds a
@@ -117,7 +121,8 @@ def before_each_step(fn: Callable[[torch.optim.Optimizer], None]) -> None:
 
 
 def watch(shard: torch.Tensor, record: Any) -> None:
-    """Link ``shard`` to ``record`` (optimizer steps on it count in ``record.steps``)."""
+    """Link ``shard`` (or a copy stepped in its stead) to ``record`` (optimizer steps on it count
+    in ``record.steps``)."""
     link = _links.get(shard)
     if link is None or link() is not record:
         _links[shard] = weakref.ref(record)
