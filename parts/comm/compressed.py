@@ -15,9 +15,12 @@
   received and its own chunk exactly (it never travels). Over a group with a topology in two
   hops, within the node then across, with a codec per hop (``node_codec=None``: the node hop
   in full precision, ZeRO++'s shape: only the slow hop is compressed).
-* ``all_reduce_mean_quantized``: a compressed reduce-scatter, then the owner of each piece
-  quantizes the mean (with a residual of its own) and the codes are all-gathered; every rank,
-  the owner too, reads back the dequantized mean, so every member ends with the same bits.
+* ``all_reduce_mean_quantized``: each tensor (a parameter's grad shard) cut into one chunk
+  per rank, a compressed reduce-scatter of the chunks, then the owner of each chunk quantizes
+  the mean (with a residual of its own) and the codes are all-gathered; every rank, the owner
+  too, reads back the dequantized mean, so every member ends with the same bits. Blocks and
+  residuals are per tensor, so the result does not depend on how tensors are bucketed
+  together (one call for all, one per tensor, a bucket read from disk).
 
 Bytes are counted in ``comm_counter`` as what travels (codes, scales and the few bytes that
 align each rank's row to 4), with the counter's convention per kind.
@@ -227,27 +230,31 @@ def reduce_scatter_quantized(outs: Sequence[torch.Tensor], ins: Sequence[torch.T
 
 
 @torch.no_grad()
-def all_reduce_mean_quantized(t: torch.Tensor, info: GroupInfo, codec: Codec, ef: Optional[ErrorFeedback],
-                              key: Hashable, async_op: bool = False) -> Optional[Waitable]:
-    """``t`` (1-D fp32) replaced in place by its mean over the group, reduced as codes in both
-    phases (residuals under ``(key, "in")`` and ``(key, "out")``); every member gets the same bits.
-    ``async_op``: the reduce-scatter phase is issued at once and the handle's ``wait()`` finishes
-    it and runs the all-gather phase."""
-    world, n = info.world_size, t.numel()
+def all_reduce_mean_quantized(ts: Sequence[torch.Tensor], info: GroupInfo, codec: Codec,
+                              ef: Optional[ErrorFeedback], keys: Sequence[Hashable],
+                              async_op: bool = False) -> Optional[Waitable]:
+    """Every 1-D fp32 ``ts[k]`` replaced in place by its mean over the group, reduced as codes in
+    both phases (residuals under ``(keys[k], "in")`` and ``(keys[k], "out")``); every member gets
+    the same bits. ``async_op``: the reduce-scatter phase is issued at once and the handle's
+    ``wait()`` finishes it and runs the all-gather phase."""
+    world = info.world_size
     if world == 1:
         return finish(Work(), async_op)
-    chunk = -(-n // world)
-    padded = torch.zeros(world * chunk, dtype=torch.float32, device=t.device)
-    padded[:n] = t
-    mine = torch.empty(chunk, dtype=torch.float32, device=t.device)
-    first = _reduce_rows([mine], [padded.view(world, chunk)], info, codec, ef, [(key, "in")], world, "all_reduce")
+    chunks = [-(-t.numel() // world) for t in ts]
+    padded = [torch.zeros(world * c, dtype=torch.float32, device=t.device) for t, c in zip(ts, chunks)]
+    for p, t in zip(padded, ts):
+        p[:t.numel()] = t
+    mine = [torch.empty(c, dtype=torch.float32, device=t.device) for t, c in zip(ts, chunks)]
+    first = _reduce_rows(mine, [p.view(world, c) for p, c in zip(padded, chunks)], info, codec, ef,
+                         [(k, "in") for k in keys], world, "all_reduce")
 
     @torch.no_grad()
     def gather_mean() -> None:
-        q, _ = _compensated(mine.view(1, -1), (key, "out"), codec, ef, None)
-        send = to_wire([q]).view(-1)
+        qs = [_compensated(m.view(1, -1), (k, "out"), codec, ef, None)[0] for m, k in zip(mine, keys)]
+        send = to_wire(qs).view(-1)
         recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
         _all_gather_bytes(recv, send, info, "all_reduce").wait()
-        t.copy_(dequantize(from_wire(recv.view(world, -1), [chunk], codec)[0]).view(-1)[:n])
+        for t, q in zip(ts, from_wire(recv.view(world, -1), chunks, codec)):
+            t.copy_(dequantize(q).view(-1)[:t.numel()])
 
     return finish(FinishAfter(first, gather_mean), async_op)

@@ -79,7 +79,7 @@ def before_landing(m: ParamMeta, part: torch.Tensor, accumulate: bool) -> tuple[
         stored = disk.read_grad(m.shard)
         part = stored.add_(part.reshape(stored.shape)).reshape(-1)
         disk.clear_grad(m.shard)
-    _mean(part, [m])
+    _mean(part, [m], [part])
     return part, False
 
 
@@ -124,7 +124,7 @@ def _sync_stored(records: list[ParamMeta], bucket_numel: int) -> int:
         for run in _chunks(items, max(1, limit)):
             shards = [m.shard for m, _ in run]
             flat, segments = disk.read_grads(shards)  # one buffer: a single all-reduce
-            _mean(flat, [m for m, _ in run])
+            _mean(flat, [m for m, _ in run], [g.view(-1) for g in segments])
             disk.write_grads(shards, segments)
     return len(todo)
 
@@ -170,17 +170,19 @@ def _chunks(items: list, limit: int) -> Iterable[list]:
         yield run
 
 
-def _key(records: list[ParamMeta]) -> tuple:
-    """The error-feedback key of a compressed cross-replica mean: its bucket's parameters."""
-    return ("replica", tuple(m.id for m in records))
+def _keys(records: list[ParamMeta]) -> list[tuple]:
+    """The error-feedback keys of a compressed cross-replica mean: one per parameter, whatever
+    the bucket it goes in (the codes are made per parameter: buckets do not change the result)."""
+    return [("replica", m.id) for m in records]
 
 
-def _mean(flat: torch.Tensor, records: list[ParamMeta]) -> None:
-    """``flat`` (the packed grads of ``records``, one replica group) replaced by its mean across replicas."""
+def _mean(flat: torch.Tensor, records: list[ParamMeta], views: list[torch.Tensor]) -> None:
+    """``flat`` (the packed grads of ``records``, one replica group; ``views``: each one's 1-D
+    view of it) replaced by its mean across replicas."""
     info, codec = records[0].replica, replica_codec(records[0])
     with torch.no_grad():
-        if codec is not None:  # as codes, error feedback under the bucket's parameters
-            all_reduce_mean_quantized(flat, info, codec, records[0].compression.feedback, _key(records))
+        if codec is not None:  # as codes, error feedback per parameter
+            all_reduce_mean_quantized(views, info, codec, records[0].compression.feedback, _keys(records))
         else:
             all_reduce(flat, info)
             flat.div_(info.world_size)
@@ -191,7 +193,7 @@ def _all_reduce_mean(items: list[tuple[ParamMeta, torch.Tensor]]) -> None:
     grads = [g for _, g in items]
     with torch.no_grad():
         flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
-        _mean(flat, [m for m, _ in items])
+        _mean(flat, [m for m, _ in items], list(flat.split([g.numel() for g in grads])))
         off = 0
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))
@@ -218,8 +220,8 @@ class InFlight:
             flat = region if region is not None else torch.cat([g.reshape(-1) for _, g in chunk])
             first, codec = chunk[0][0], replica_codec(chunk[0][0])
             work = (all_reduce_async(flat, first.replica) if codec is None else  # as codes: the mean itself
-                    all_reduce_mean_quantized(flat, first.replica, codec, first.compression.feedback,
-                                              _key([m for m, _ in chunk]), True))
+                    all_reduce_mean_quantized(flat.split([g.numel() for _, g in chunk]), first.replica, codec,
+                                              first.compression.feedback, _keys([m for m, _ in chunk]), True))
             run = [work, flat, chunk, region is not None, codec is None]
             self._runs.append(run)
             for m, _ in chunk:
