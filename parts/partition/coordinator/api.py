@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 from torch import nn
 
+from parts.partition.coordinator.checks import agree_to_attach
 from parts.partition.coordinator.coordinator import FetchCoordinator, attached_to
 
 
@@ -15,7 +16,11 @@ def attach(module: nn.Module, coordinator: Optional[FetchCoordinator] = None, **
     if coordinator is not None and knobs:
         raise ValueError(f"attach: pass knobs to FetchCoordinator(...) or to attach(), not both "
                          f"(got a coordinator and {sorted(knobs)})")
-    coordinator = coordinator if coordinator is not None else FetchCoordinator(**knobs)
+    if coordinator is None:
+        try:
+            coordinator = FetchCoordinator(**knobs)
+        except (TypeError, ValueError) as err:  # a bad knob on one rank: every rank raises
+            agree_to_attach(module, None, None, failed=err)
     return coordinator.attach(module)
 
 

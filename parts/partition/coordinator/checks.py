@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Optional
 
 from torch import nn
 
-from parts.comm import GroupArg, check_member
+from parts.comm import (GroupArg, GroupInfo, ProcessGroup, all_gather_objects, check_member, global_rank,
+                        group_info, is_distributed)
+from parts.comm.agree import Failure, RankDisagreement
+from parts.comm.failure import attempt, describe
 from parts.partition.core.param import is_partitioned, meta
 
 
@@ -42,3 +46,126 @@ def check_group(module: nn.Module, group: GroupArg) -> None:
         if meta(p).group is not group:
             raise ValueError(f"attach: parameter '{name}' is sharded over another process group "
                              "than the one passed to FetchCoordinator(group=...)")
+
+
+# ------------------------------------------------------------------ agreed across ranks
+# What every rank of a model must pass alike: a rank with another compression policy, another
+# secondary group, another precision or knob, or another layout (a mesh of another shape)
+# would issue other collectives than its peers: a hang at the first step, or a silent
+# mismatch (codes read as values). ``agree_to_attach`` runs the checks above on every rank
+# and exchanges each rank's settings in one collective before any hook is installed; a failure
+# or a difference raises on every rank, naming the option and the ranks.
+_OPTIONS = ("compression", "mixed_precision", "sync_buffers", "secondary_group", "params")
+
+
+def _first_record(module: Any) -> Any:
+    """The record of ``module``'s first sharded parameter (None if it has none)."""
+    if not isinstance(module, nn.Module):
+        return None
+    return next((meta(p) for p in module.parameters() if is_partitioned(p)), None)
+
+
+def _scopes(module: Any, group: GroupArg) -> list[GroupInfo]:
+    """The groups to agree over: the world when this rank's layout (shard group times replica
+    group) spans it, so every rank of any layout meets in one exchange; else the shard group,
+    then the replica group. Empty when not distributed."""
+    if not is_distributed():
+        return []
+    record = _first_record(module)
+    shard = group_info(group, "attach: FetchCoordinator(group=...)") if group is not None or record is None \
+        else record.info
+    replica = record.replica if record is not None and group is None else None
+    span = shard.world_size * (replica.world_size if replica is not None else 1)
+    if span == group_info(None).world_size:
+        return [group_info(None)]
+    return [shard] if replica is None else [shard, replica]
+
+
+def _settings(module: nn.Module, coordinator: Any) -> dict:
+    """What must be alike on every rank: this rank's layout and options (picklable)."""
+    record = _first_record(module)
+    secondary = coordinator.secondary_group
+    if secondary is not None and not isinstance(secondary, ProcessGroup):
+        raise TypeError(f"attach(secondary_group=...): takes a process group (this node's ranks, "
+                        f"e.g. torch.distributed.new_group), got {type(secondary).__name__}")
+    params = [p for p in module.parameters() if is_partitioned(p)]
+    topology = getattr(record.info, "topology", None) if record is not None else None
+    return {"rank": global_rank(),
+            "shard": tuple(record.info.global_ranks()) if record is not None else (),
+            "replicas": tuple(record.replica.global_ranks()) if record is not None and record.replica else None,
+            "ranks_per_node": getattr(topology, "per_node", None),
+            "compression": coordinator.compression, "mixed_precision": coordinator.mixed_precision,
+            "sync_buffers": coordinator.sync_buffers, "knobs": coordinator.knobs,
+            "secondary_group": None if secondary is None else
+            f"a group of {group_info(secondary, 'attach(secondary_group=...)').world_size} ranks",
+            "params": f"{len(params)} sharded parameters of {sum(meta(p).numel for p in params)} elements"}
+
+
+def agree_to_attach(module: Any, coordinator: Any, attached: Any,
+                    failed: Optional[BaseException] = None) -> None:
+    """The checks of ``attach`` on every rank, and the ranks' settings compared, in one exchange
+    (two for a layout on part of the world with replicas): a failure on any rank (``failed``:
+    this rank's, met before) or a difference raises on every rank, before any hook."""
+    def local() -> dict:
+        if failed is not None:
+            raise failed
+        check_sharded(module, attached)
+        check_group(module, coordinator.group)
+        return _settings(module, coordinator)
+    mine, own = attempt(local, global_rank())
+    seen: list = [mine]
+    for info in _scopes(module, None if failed is not None else coordinator.group):
+        seen = [x for every in all_gather_objects(seen, info.group) for x in every]
+        seen = list({_key(x): x for x in seen}.values())
+    failures = {f.rank: f for f in seen if isinstance(f, Failure)}
+    if own is not None:
+        raise own
+    if failures:
+        raise RankDisagreement(f"attach failed on other ranks, so no rank went on (global ranks) "
+                               f"{describe(failures)}")
+    _compare(sorted(seen, key=lambda s: s["rank"]))
+
+
+def _key(item: Any) -> int:
+    return item.rank if isinstance(item, Failure) else item["rank"]
+
+
+def _compare(every: list[dict]) -> None:
+    """Raise the first difference among ``every`` rank's settings (the same on every rank)."""
+    by_rank = {s["rank"]: s for s in every}
+    for s in every:
+        for field, members in (("shard", s["shard"]), ("replicas", s["replicas"] or ())):
+            for r in members:
+                other = by_rank.get(r)
+                if other is not None and other[field] != s[field]:
+                    _layout_error(s, other)
+        for r in s["replicas"] or ():
+            other = by_rank.get(r)
+            if other is not None and (len(other["shard"]) != len(s["shard"])
+                                      or other["shard"].index(r) != s["shard"].index(s["rank"])):
+                _layout_error(s, other)
+    for option in ("ranks_per_node", *_OPTIONS):
+        _alike(every, option, lambda s, o=option: s[o])
+    for knob in dataclasses.fields(every[0]["knobs"]):
+        _alike(every, knob.name, lambda s, k=knob.name: getattr(s["knobs"], k))
+
+
+def _alike(every: list[dict], option: str, value: Callable[[dict], Any]) -> None:
+    """Raise a ValueError naming ``option`` and who passed what if ranks differ on it."""
+    passed: dict[str, list[int]] = {}
+    for s in every:
+        passed.setdefault(repr(value(s)), []).append(s["rank"])
+    if len(passed) > 1:
+        who = "; ".join(f"global rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {v}"
+                        for v, r in passed.items())
+        raise ValueError(f"attach: the ranks of the model disagree on {option} ({who}); every rank "
+                         f"must pass the same (each would issue other collectives: a hang or wrong values)")
+
+
+def _layout_error(s: dict, other: dict) -> None:
+    def layout(x: dict) -> str:
+        return f"shards over global ranks {list(x['shard'])}, replicated over " \
+               f"{list(x['replicas']) if x['replicas'] else 'none'}"
+    raise ValueError(f"attach: the ranks disagree on the layout (partitioned(group=..., replicate_group=...) "
+                     f"or mesh=...): global rank {s['rank']} {layout(s)}, global rank {other['rank']} "
+                     f"{layout(other)}; a (replicate, shard) layout must be the same on every rank")

@@ -45,7 +45,7 @@ from parts.partition.construction.construct import drop_forward_check, restore_f
 from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.attached import Attached, Through
-from parts.partition.coordinator.checks import check_group, check_sharded
+from parts.partition.coordinator.checks import agree_to_attach
 from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, eager,
                                                register_pre_backward)
 from parts.partition.coordinator.plan import Knobs
@@ -115,8 +115,7 @@ class FetchCoordinator:
         if self._root is not None:
             raise RuntimeError("FetchCoordinator.attach: this coordinator is already attached to a "
                                "module; call detach() first or make a new coordinator")
-        check_sharded(module, _attached)
-        check_group(module, self.group)
+        agree_to_attach(module, self, _attached)  # local checks and settings, agreed by every rank
         precision = apply_mixed_precision(module, self.mixed_precision) if self.mixed_precision else None
         undo = apply_compression(module, self.compression, precision)  # compute dtypes, codecs on the records
         drop_aborted = weak_method(self._drop_aborted_backward)

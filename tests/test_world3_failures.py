@@ -1,0 +1,109 @@
+"""Ranks that disagree at ``attach`` (a compression policy, a secondary group, a knob, a mesh
+of another shape) or give bad input on one rank: every rank raises, naming the option and the
+ranks, before any hook; none hangs, none trains on silently. Worlds 3 and 2.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness import run
+
+
+class Net(nn.Module):
+    """Two linears and a norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.down = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(torch.relu(self.up(x))))
+
+
+def _attach_outcome(odd_rank: int, case: str) -> tuple[str, str]:
+    """Build a Net on every rank and attach it, rank ``odd_rank`` passing something else
+    (``case``); the exception each rank got (type, message), or ("", "") if attach passed."""
+    from parts.partition import Compression, attach, partitioned
+    torch.manual_seed(0)
+    odd = dist.get_rank() == odd_rank
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+    with partitioned():
+        model = Net()
+    knobs: dict = {}
+    if case == "compression":
+        knobs["compression"] = Compression(grads="int8") if odd else None
+    elif case == "secondary_group":
+        knobs["secondary_group"] = None if odd else singles[dist.get_rank()]
+    elif case == "persistence_threshold":
+        knobs["persistence_threshold"] = 0 if odd else 100_000
+    elif case == "bad_compression":
+        knobs["compression"] = "int8" if odd else None
+    elif case == "unsharded" and odd:
+        model.extra = nn.Linear(2, 2)  # added after the build: not sharded on this rank
+    try:
+        attach(model, **knobs)
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test checks
+        return type(err).__name__, str(err)
+    model(torch.ones(2, 8)).sum().backward()  # (never reached when a check works)
+    return "", ""
+
+
+DISAGREE = ["compression", "secondary_group", "persistence_threshold"]
+
+
+@pytest.mark.parametrize("world,odd_rank", [(3, 2), (2, 0)])
+@pytest.mark.parametrize("case", DISAGREE)
+def test_ranks_that_disagree_at_attach_all_raise_naming_the_option_and_ranks(world, odd_rank, case):
+    outcomes = run(world, _attach_outcome, odd_rank, case, timeout=30.0)
+    others = ", ".join(str(r) for r in range(world) if r != odd_rank)
+    for kind, message in outcomes:
+        assert kind == "ValueError", outcomes
+        assert f"disagree on {case}" in message and f"global rank {odd_rank}:" in message, message
+        assert f"global rank{'s' if world == 3 else ''} {others}:" in message, message
+    assert len({message for _, message in outcomes}) == 1  # the same words on every rank
+
+
+@pytest.mark.parametrize("world,odd_rank", [(3, 1), (2, 1)])
+@pytest.mark.parametrize("case,kind,names", [
+    ("bad_compression", "TypeError", "compression takes a parts.partition.Compression"),
+    ("unsharded", "ValueError", "parameter 'extra.weight'")])
+def test_bad_input_on_one_rank_raises_there_and_names_that_rank_elsewhere(world, odd_rank, case, kind, names):
+    outcomes = run(world, _attach_outcome, odd_rank, case, timeout=30.0)
+    for rank, (got, message) in enumerate(outcomes):
+        assert names in message, message
+        if rank == odd_rank:
+            assert got == kind
+        else:
+            assert got == "RankDisagreement" and f"rank {odd_rank}: {kind}" in message, message
+
+
+def _mesh_outcome(odd_rank: int) -> tuple[str, str]:
+    """Every rank makes both meshes of the world, (3, 1) and (1, 3) as (replicate, shard); rank
+    ``odd_rank`` builds on the first, the others on the second (on meta: the build shares no
+    values), then each attaches."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parts.partition import attach, partitioned
+    world = dist.get_world_size()
+    meshes = [init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+              for shape in ((world, 1), (1, world))]
+    with partitioned(mesh=meshes[0 if dist.get_rank() == odd_rank else 1], device="meta"):
+        model = Net()
+    try:
+        attach(model)
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test checks
+        return type(err).__name__, str(err)
+    return "", ""
+
+
+@pytest.mark.parametrize("world,odd_rank", [(3, 0), (2, 1)])
+def test_a_mesh_of_another_shape_on_one_rank_is_refused_on_every_rank(world, odd_rank):
+    outcomes = run(world, _mesh_outcome, odd_rank, timeout=30.0)
+    for kind, message in outcomes:
+        assert kind == "ValueError", outcomes
+        assert "disagree on the layout" in message and "mesh=" in message, message
+        assert f"global rank {odd_rank} shards over global ranks [{odd_rank}]" in message, message
