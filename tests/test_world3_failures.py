@@ -1,6 +1,7 @@
-"""Ranks that disagree at ``attach`` (a compression policy, a secondary group, a knob, a mesh
-of another shape) or give bad input on one rank: every rank raises, naming the option and the
-ranks, before any hook; none hangs, none trains on silently. Worlds 3 and 2.
+"""Ranks that disagree (a compression policy, a secondary group, a knob, a mesh of another
+shape) or give bad input on one rank: every rank raises, naming the option and the ranks,
+before the first collective they would issue apart: at ``attach`` for its options, at the
+build (``partitioned``) for the layout. None hangs, none trains on silently. Worlds 3 and 2.
 """
 
 import pytest
@@ -107,3 +108,45 @@ def test_a_mesh_of_another_shape_on_one_rank_is_refused_on_every_rank(world, odd
         assert kind == "ValueError", outcomes
         assert "disagree on the layout" in message and "mesh=" in message, message
         assert f"global rank {odd_rank} shards over global ranks [{odd_rank}]" in message, message
+
+
+def _build_outcome(odd_rank: int, case: str) -> tuple[str, str]:
+    """Build a Net with real values, rank ``odd_rank`` on another layout (``case`` "mesh": the
+    (world, 1) mesh where the others take (1, world); "overlap": a replicate group sharing
+    more than itself with the shard group, bad input); the exception each rank got."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parts.partition import partitioned
+    world, odd = dist.get_world_size(), dist.get_rank() == odd_rank
+    meshes = [init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+              for shape in ((world, 1), (1, world))]
+    everyone = dist.new_group(list(range(world)))
+    if case == "mesh":
+        layout = {"mesh": meshes[0 if odd else 1]}
+    else:
+        layout = {"group": everyone, "replicate_group": everyone} if odd else {}
+    try:
+        with partitioned(**layout):
+            Net()
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test checks
+        return type(err).__name__, str(err)
+    return "", ""
+
+
+@pytest.mark.parametrize("world,odd_rank", [(3, 0), (3, 2), (2, 1)])
+def test_a_build_on_another_mesh_on_one_rank_is_refused_on_every_rank(world, odd_rank):
+    outcomes = run(world, _build_outcome, odd_rank, "mesh", timeout=30.0)
+    for kind, message in outcomes:
+        assert kind == "ValueError", outcomes
+        assert "parts.partition: the ranks disagree on the layout" in message, message
+        assert f"shards over global ranks [{odd_rank}], replicated over {list(range(world))}" in message
+
+
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_bad_replicate_group_on_one_rank_is_refused_on_every_rank(world):
+    outcomes = run(world, _build_outcome, 1, "overlap", timeout=30.0)
+    for rank, (kind, message) in enumerate(outcomes):
+        assert "replicate group" in message and "must share exactly this rank" in message, message
+        assert kind == ("ValueError" if rank == 1 else "RankDisagreement"), outcomes
+        if rank != 1:
+            assert "rank 1: ValueError" in message

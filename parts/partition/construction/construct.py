@@ -43,6 +43,7 @@ from torch import nn
 
 from parts.partition.construction import intercept as _intercept
 from parts.comm import GroupArg, GroupInfo, Topology, broadcast, hybrid_groups, launcher_ranks_per_node
+from parts.comm.agree import agree_on_layout
 from parts.partition.core.param import ParamStatus, internal, is_partitioned, meta
 from parts.partition.core.sharding import ShardSpec, shard_params
 
@@ -354,7 +355,8 @@ def _spec(group: GroupArg, replicate_group: GroupArg, mesh: Any, ranks_per_node:
     """The ``ShardSpec`` of a call: shards over ``group`` (or the mesh's shard dim), replicated
     over ``replicate_group`` (or the mesh's replicate dim) when there is one; all-gathers in two
     hops with ``ranks_per_node``."""
-    info, replica = hybrid_groups(group, replicate_group, mesh, "parts.partition")
+    on_meta = args[1] is not None and torch.device(args[1]).type == "meta"  # no values shared: attach checks
+    info, replica = (hybrid_groups if on_meta else agree_on_layout)(group, replicate_group, mesh, "parts.partition")
     if ranks_per_node is None:
         ranks_per_node = launcher_ranks_per_node(info.global_ranks())
     if ranks_per_node is not None and info.world_size > 1:
