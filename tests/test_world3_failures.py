@@ -150,3 +150,24 @@ def test_a_bad_replicate_group_on_one_rank_is_refused_on_every_rank(world):
         assert kind == ("ValueError" if rank == 1 else "RankDisagreement"), outcomes
         if rank != 1:
             assert "rank 1: ValueError" in message
+
+
+def _irregular_outcome() -> tuple[str, str]:
+    """World 3 on explicit groups that make no (replicate, shard) grid: ranks 0 and 1 shard
+    together, rank 2 alone, and rank 0 (not rank 1) is replicated with rank 2."""
+    from parts.partition import partitioned
+    pair, alone, across = dist.new_group([0, 1]), dist.new_group([2]), dist.new_group([0, 2])
+    rank = dist.get_rank()
+    layout = {"group": pair if rank < 2 else alone, "replicate_group": across if rank != 1 else None}
+    try:
+        with partitioned(**layout):
+            Net()
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test checks
+        return type(err).__name__, str(err)
+    return "", ""
+
+
+def test_groups_that_make_no_grid_are_refused_on_every_rank():
+    for kind, message in run(3, _irregular_outcome, timeout=30.0):
+        assert kind == "ValueError" and "disagree on the layout" in message, message
+

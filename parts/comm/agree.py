@@ -80,12 +80,13 @@ Layout = tuple[GroupInfo, Optional[GroupInfo]]
 
 
 def agree_on_layout(group: GroupArg, replicate_group: GroupArg, mesh: object, what: str) -> Layout:
-    """``hybrid_groups(...)``: the (shard group, replica group), checked against every rank's
-    when this rank's layout spans the world: one exchange of global ranks over the world. A
-    rank whose groups are refused (when this rank is in them and they cover the world), or whose
-    shard or replica group its members see otherwise (a mesh of another shape, a group left
-    out), raises on every rank, naming the ranks: before the build's first collective, which
-    such ranks would issue over different groups."""
+    """``hybrid_groups(...)``: the (shard group, replica group), checked against the ranks':
+    one exchange over the world when this rank's layout spans it, else one over the shard group
+    then one over the replica group (the groups the build's collectives run over: every member
+    takes part). A rank whose groups are refused (over the world: when this rank is in them and
+    they cover it), or whose shard or replica group its members see otherwise (a mesh of another
+    shape, a group left out, replicas at other places of their shard groups), raises on every
+    rank, naming the ranks: before the build's first collective over groups that differ."""
     layout, own = attempt(lambda: hybrid_groups(group, replicate_group, mesh, what), global_rank())
     if not is_distributed():
         if own is not None:
@@ -94,19 +95,33 @@ def agree_on_layout(group: GroupArg, replicate_group: GroupArg, mesh: object, wh
     world = group_info(None).world_size
     if own is not None and not _asks_for_world(group, replicate_group, mesh, world):
         raise own  # the others may build nothing with this rank
-    if own is None:
-        info, replica = layout
-        if info.world_size * (replica.world_size if replica is not None else 1) != world:
-            return layout  # a layout on part of the ranks: the others may never build this model
-    every = all_gather_objects(layout if own is not None else _ranks(layout), None)
-    failures = failures_in(every)
+    seen = [layout if own is not None else (global_rank(), *_ranks(layout))]
+    for scope in _layout_scopes(layout if own is None else None, world):
+        every = all_gather_objects(seen, scope.group)  # earlier rounds' news travel on
+        seen = list({_rank_of(x): x for held in every for x in held}.values())
+    failures = {f.rank: f for f in seen if isinstance(f, Failure)}
     if own is not None:
         raise own
     if failures:
         raise RankDisagreement(f"{what} failed on other ranks, so no rank went on (global ranks) "
                                f"{describe(failures)}")
-    _check_layouts(every, what)
+    check_layouts({x[0]: x[1:] for x in seen}, what)
     return layout
+
+
+def _layout_scopes(layout: Optional[Layout], world: int) -> list[GroupInfo]:
+    """The groups a layout is agreed over: the world if it spans it (or this rank failed), else its
+    shard group then its replica group (those of more than one rank)."""
+    if layout is None:
+        return [group_info(None)]
+    info, replica = layout
+    if info.world_size * (replica.world_size if replica is not None else 1) == world:
+        return [group_info(None)]
+    return [g for g in (info, replica) if g is not None and g.world_size > 1]
+
+
+def _rank_of(item: object) -> int:
+    return item.rank if isinstance(item, Failure) else item[0]
 
 
 def _ranks(layout: Layout) -> tuple:
@@ -126,15 +141,20 @@ def _asks_for_world(group: GroupArg, replicate_group: GroupArg, mesh: object, wo
     return len(covered) == world
 
 
-def _check_layouts(every: list, what: str) -> None:
-    """Raise a ValueError naming two ranks if a member of some rank's shard or replica group
-    sees that group otherwise, or replicas sit at other places of their shard groups."""
-    for rank, (shard, replicas) in enumerate(every):
+def check_layouts(every: dict, what: str) -> None:
+    """Raise a ValueError naming two ranks (``every``: global rank -> (shard, replica ranks)) if a
+    member of a rank's shard group sees that group or its replica count otherwise, or a member of
+    its replica group sees that group otherwise or sits at another place of a shard group."""
+    for rank, (shard, replicas) in sorted(every.items()):
         for other in [*shard, *(replicas or ())]:
+            if other not in every:
+                continue
             o_shard, o_replicas = every[other]
-            same = o_shard == shard if other in shard else o_replicas == replicas
-            if same and other in (replicas or ()):
-                same = len(o_shard) == len(shard) and o_shard.index(other) == shard.index(rank)
+            if other in shard:
+                same = o_shard == shard and len(o_replicas or ()) == len(replicas or ())
+            else:
+                same = (o_replicas == replicas and len(o_shard) == len(shard)
+                        and o_shard.index(other) == shard.index(rank))
             if not same:
                 raise ValueError(f"{what}: the ranks disagree on the layout (group=/replicate_group= or "
                                  f"mesh=): global rank {rank} {_layout(every[rank])}, global rank "

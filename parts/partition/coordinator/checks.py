@@ -9,7 +9,7 @@ from torch import nn
 
 from parts.comm import (GroupArg, GroupInfo, ProcessGroup, all_gather_objects, check_member, global_rank,
                         group_info, is_distributed)
-from parts.comm.agree import Failure, RankDisagreement
+from parts.comm.agree import Failure, RankDisagreement, check_layouts
 from parts.comm.failure import attempt, describe
 from parts.partition.core.param import is_partitioned, meta
 
@@ -97,7 +97,7 @@ def _settings(module: nn.Module, coordinator: Any) -> dict:
             "compression": coordinator.compression, "mixed_precision": coordinator.mixed_precision,
             "sync_buffers": coordinator.sync_buffers, "knobs": coordinator.knobs,
             "secondary_group": None if secondary is None else
-            f"a group of {group_info(secondary, 'attach(secondary_group=...)').world_size} ranks",
+            f"a group of {group_info(secondary, 'attach(secondary_group=...)').world_size} rank(s)",
             "params": f"{len(params)} sharded parameters of {sum(meta(p).numel for p in params)} elements"}
 
 
@@ -132,18 +132,7 @@ def _key(item: Any) -> int:
 
 def _compare(every: list[dict]) -> None:
     """Raise the first difference among ``every`` rank's settings (the same on every rank)."""
-    by_rank = {s["rank"]: s for s in every}
-    for s in every:
-        for field, members in (("shard", s["shard"]), ("replicas", s["replicas"] or ())):
-            for r in members:
-                other = by_rank.get(r)
-                if other is not None and other[field] != s[field]:
-                    _layout_error(s, other)
-        for r in s["replicas"] or ():
-            other = by_rank.get(r)
-            if other is not None and (len(other["shard"]) != len(s["shard"])
-                                      or other["shard"].index(r) != s["shard"].index(s["rank"])):
-                _layout_error(s, other)
+    check_layouts({s["rank"]: (s["shard"], s["replicas"]) for s in every}, "attach")
     for option in ("ranks_per_node", *_OPTIONS):
         _alike(every, option, lambda s, o=option: s[o])
     for knob in dataclasses.fields(every[0]["knobs"]):
@@ -160,12 +149,3 @@ def _alike(every: list[dict], option: str, value: Callable[[dict], Any]) -> None
                         for v, r in passed.items())
         raise ValueError(f"attach: the ranks of the model disagree on {option} ({who}); every rank "
                          f"must pass the same (each would issue other collectives: a hang or wrong values)")
-
-
-def _layout_error(s: dict, other: dict) -> None:
-    def layout(x: dict) -> str:
-        return f"shards over global ranks {list(x['shard'])}, replicated over " \
-               f"{list(x['replicas']) if x['replicas'] else 'none'}"
-    raise ValueError(f"attach: the ranks disagree on the layout (partitioned(group=..., replicate_group=...) "
-                     f"or mesh=...): global rank {s['rank']} {layout(s)}, global rank {other['rank']} "
-                     f"{layout(other)}; a (replicate, shard) layout must be the same on every rank")
