@@ -43,6 +43,7 @@ import torch
 from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ReduceOp, all_reduce, group_info
 from parts.offload import parking
+from parts.offload._adam import InplaceAdam
 from parts.offload._batch import Batch as _Batch, discard as _discard
 from parts.offload._optim_state import Snapshot, StateAccess
 from parts.offload.backward_step import BackwardStep
@@ -85,6 +86,7 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         self.grad_scale: Optional[torch.Tensor] = None  # multiplies grads read from the store
         self.after_step: list[Callable[[list[torch.Tensor]], None]] = []  # per chunk, values loaded
         self.spares = Spares()  # buffers a chunk is done with, for a later chunk's reads (kept across steps)
+        self.inplace = InplaceAdam()  # Adam/AdamW without fresh temporaries (one scratch buffer)
         self.across_steps = across_steps
         self.ahead_chunks = AHEAD_CHUNKS  # at most AHEAD_CHUNKS: the memory bound
         self._behind: Optional[_Batch] = None  # the last step's last chunk's writes, in flight
@@ -346,7 +348,10 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
             g["params"] = [p for p in g["params"] if id(p) in ids]
         parking.driver.active = True
         try:
-            self.optimizer.step()
+            if self.inplace.applies(self.optimizer):
+                self.inplace.step(self.optimizer)
+            else:
+                self.optimizer.step()
         finally:
             parking.driver.active = False
             for g, params in zip(self.optimizer.param_groups, saved):
