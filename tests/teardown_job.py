@@ -10,6 +10,9 @@ active exception``). parts holds groups weakly, so ``destroy_process_group`` joi
 
 ``drop``: the objects are dropped and collected before ``destroy_process_group``; exits 4 if
 one is never freed (a reference cycle through a hook held in C++ would keep it).
+
+``both``: ``drop``, then ``keep`` with a second model, coordinator and optimizer in the same
+process: both checks for the cost of one launch.
 """
 
 import gc
@@ -57,20 +60,22 @@ def report(mode: str) -> int:
     return 3 if left else 0
 
 
+def drop() -> list[str]:
+    """Train, drop the model, coordinator and optimizer, collect: the names of those never freed."""
+    refs = [weakref.ref(obj) for obj in train()]
+    gc.collect()
+    return [type(ref()).__name__ for ref in refs if ref() is not None]
+
+
 def main(mode: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    model, coordinator, optimizer = train()
-    if mode == "keep":
-        dist.destroy_process_group()
-        sys.exit(report(mode))  # model, coordinator and optimizer still alive here
-    refs = [weakref.ref(obj) for obj in (model, coordinator, optimizer)]
-    del model, coordinator, optimizer
-    gc.collect()
-    dist.destroy_process_group()
-    leaked = [type(ref()).__name__ for ref in refs if ref() is not None]
+    leaked = drop() if mode in ("drop", "both") else []
     if leaked:
         print(f"rank {os.environ.get('RANK')}: never freed: {leaked}", flush=True)
-    sys.exit(report(mode) or (4 if leaked else 0))
+    if mode != "drop":
+        model, coordinator, optimizer = train()
+    dist.destroy_process_group()
+    sys.exit(report(mode) or (4 if leaked else 0))  # keep: model, coordinator and optimizer still alive here
 
 
 if __name__ == "__main__":
