@@ -185,8 +185,9 @@ class BackwardStep:
         grad, stored, handle = self._grads[i]
         if stored is not None:
             handle.wait()
-            grad = stored.add_(grad.detach().reshape(stored.shape))
+            landed, grad = grad, stored.add_(grad.detach().reshape(stored.shape))
             self._grads[i] = (grad, None, None)
+            parking.give_back(landed)
         return grad
 
     def forget_norms(self) -> None:
@@ -242,10 +243,11 @@ class BackwardStep:
     def _step(self, chunk: list[torch.Tensor]) -> None:
         """Install the chunk's reads and grads, snapshot it, step it, start its staged writes."""
         ids = [self.opt.index_of(p) for p in chunk]
+        landed = []  # the grad buffers the step consumes, for the store's reuse once written
         for i, p in zip(ids, chunk):
             batch, cost = self._reads.pop(i)
             batch.finish()
-            self._install_grad(p, i)
+            landed.append(self._install_grad(p, i))
             self.landed_bytes -= cost
             self.stepped.add(i)
             self._snapshots[i] = self.opt.stage(p)
@@ -257,21 +259,26 @@ class BackwardStep:
         # what the writes hold: parameter and state bytes (``io_bytes`` less the grad)
         nbytes = sum(self.opt.io_bytes(p) - p.numel() * p.element_size() for p in chunk)
         self._reap(nbytes, block=False)
-        writes = self.opt.start_staged_writes(chunk)
+        writes = self.opt.start_staged_writes(chunk)  # the grads are done with (p.grad is None)
+        for buf in landed:
+            parking.give_back(buf)
         for p in kept:  # stays loaded for the next forward's first all-gathers (its release drops it)
             writes.after.append(lambda p=p: parking.unhold(p))
         self._kept += kept
         self._writes.append((writes, nbytes))
         self.writes_bytes += nbytes
 
-    def _install_grad(self, p: torch.Tensor, i: int) -> None:
+    def _install_grad(self, p: torch.Tensor, i: int) -> torch.Tensor:
         """``p.grad``: the landed grad, added to the stored sum of earlier micro-batches if any; its
-        norms recorded."""
-        grad = self._summed(i).detach().reshape(p.shape)
+        norms recorded; returns the tensor whose memory it is."""
+        whole = self._summed(i)
+        grad = whole.detach().reshape(p.shape)
         del self._grads[i]
         p.grad = grad
-        self._norms.setdefault(i, grad_norms(grad))
+        if i not in self._norms:
+            self._norms[i] = grad_norms(grad)
         parking.clear_grad(p)  # consumed by this step
+        return whole
 
     def _reap(self, room: int, block: bool) -> None:
         """Finish the writes that are done, and the oldest while ``room`` more bytes would pass the

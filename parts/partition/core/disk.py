@@ -79,10 +79,11 @@ def parked_version(shard: torch.Tensor) -> Optional[int]:
 def grad_buffer(shard: torch.Tensor, numel: int, dtype: torch.dtype,
                 alloc: Callable[[int, torch.dtype], torch.Tensor]) -> torch.Tensor:
     """A fresh 1-D tensor for ``shard``'s reduce-scattered grad: ``alloc(numel, dtype)``, or for a
-    parked shard a view of a slightly larger one starting aligned (its store writes it as is)."""
+    parked shard an aligned one (its store writes it as is) whose memory the store's reuse pool
+    may give (``parking.grad_buffer``; the step during backward gives it back)."""
     if parking.parked(shard) is None or shard.device.type != "cpu":
         return alloc(numel, dtype)
-    return parking.empty_for_io((numel,), dtype, alloc)
+    return parking.grad_buffer(shard, numel, dtype, alloc)
 
 
 def accumulate_grad(shard: torch.Tensor, part: torch.Tensor, accumulate: bool) -> bool:
