@@ -28,7 +28,8 @@ The wrapped optimizer steps a chunk by seeing only that chunk's parameters in it
 so any optimizer whose update of a parameter depends only on that parameter's grad and
 state (AdamW, Adam, SGD, Adagrad, RMSprop, ... with the per-tensor or foreach kernels)
 gives bitwise the result of one in-memory step. Group options (``lr``...) stay shared, so
-LR schedulers work on this wrapper as on the plain optimizer. Optimizers that couple
+LR schedulers work on this wrapper as on the plain optimizer. A plain ``Adam``/``AdamW`` is
+stepped in place (``_adam``: torch's update, bitwise, without its per-step temporaries). Optimizers that couple
 parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
 """
 

@@ -16,8 +16,9 @@ copied through a bounce buffer. Memory the store itself holds: one aligned bounc
 per IO thread in direct mode, ``ALIGN`` bytes while every transfer is aligned, up to
 ``block_bytes`` once one is not; nothing in buffered mode; the store never maps its files.
 Beside that, ``reuse`` (a ``StoragePool`` of ``parts.base``) keeps up to ``reuse_bytes`` of
-the memory of parked tensors it dropped, for the next load of that size (no page faults in
-the read); of several blocks of one size the oldest serves first.
+the memory of parked tensors it dropped and of grads a step during backward consumed, for the
+next load or landing grad of that size (no page faults in the read or the reduce-scatter); of
+several blocks of one size the oldest serves first.
 
 Files: a ``rename`` over a key keeps the replaced key's file, already allocated, for the next
 new key of its size (a step's staged writes, committed by renames, take the last step's
