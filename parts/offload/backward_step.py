@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 
-from parts.offload import parking
+from parts.offload import landing, parking
 from parts.offload._batch import Batch, discard
 from parts.offload.spares import Spares
 
@@ -187,7 +187,7 @@ class BackwardStep:
             handle.wait()
             landed, grad = grad, stored.add_(grad.detach().reshape(stored.shape))
             self._grads[i] = (grad, None, None)
-            parking.give_back(landed)
+            landing.give_back(landed)
         return grad
 
     def forget_norms(self) -> None:
@@ -261,7 +261,7 @@ class BackwardStep:
         self._reap(nbytes, block=False)
         writes = self.opt.start_staged_writes(chunk)  # the grads are done with (p.grad is None)
         for buf in landed:
-            parking.give_back(buf)
+            landing.give_back(buf)
         for p in kept:  # stays loaded for the next forward's first all-gathers (its release drops it)
             writes.after.append(lambda p=p: parking.unhold(p))
         self._kept += kept

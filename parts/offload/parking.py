@@ -143,37 +143,6 @@ def empty_for_io(shape: torch.Size | tuple, dtype: torch.dtype,
     return aligned_empty(torch.Size(shape).numel(), dtype, alloc).view(shape)
 
 
-_POOL = "_parts_reuse"  # on a grad buffer whose memory ``give_back`` returns to its store's ``reuse``
-
-
-def grad_buffer(t: torch.Tensor, numel: int, dtype: torch.dtype,
-                alloc: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None) -> torch.Tensor:
-    """A 1-D ``ALIGN``-aligned buffer for a grad of parked ``t`` landing (a reduce-scatter's output),
-    its memory a block the store's ``reuse`` kept if it has one of that size (written before: no
-    page faults), else fresh from ``alloc``; ``give_back`` returns it once its holder is done."""
-    nbytes = numel * dtype.itemsize
-    if not worth_aligning(nbytes) or ALIGN % dtype.itemsize:
-        return empty_for_io((numel,), dtype, alloc)
-    pool = parked(t).store.reuse
-    block = pool.take(nbytes + ALIGN, torch.device("cpu"))
-    if block is None:
-        buf = aligned_empty(numel, dtype, alloc)
-    else:
-        start = (-block.data_ptr()) % ALIGN // dtype.itemsize
-        buf = torch.empty(0, dtype=dtype).set_(block, start, (numel,))
-    if buf.untyped_storage().nbytes() == nbytes + ALIGN:  # one block of the size ``take`` asks for
-        buf.__dict__[_POOL] = pool
-    return buf
-
-
-def give_back(buf: torch.Tensor) -> None:
-    """Return the memory of a ``grad_buffer`` to its store's ``reuse`` (its storage is empty after:
-    nothing may use ``buf`` or a view of it again); nothing for any other tensor."""
-    pool = getattr(buf, "__dict__", {}).pop(_POOL, None)
-    if pool is not None:
-        pool.give(buf.untyped_storage())
-
-
 def _refill(t: torch.Tensor, record: Parked) -> None:
     """Give parked ``t``'s empty storage room for its bytes (memory a drop left in the store's
     ``reuse`` if it kept a block of that size), starting ``ALIGN``-aligned if

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from parts.offload import parking
+from parts.offload import landing, parking
 from parts.offload.lease import Stored, stored_of_parked
 from parts.offload.store import DiskStore
 
@@ -80,10 +80,10 @@ def grad_buffer(shard: torch.Tensor, numel: int, dtype: torch.dtype,
                 alloc: Callable[[int, torch.dtype], torch.Tensor]) -> torch.Tensor:
     """A fresh 1-D tensor for ``shard``'s reduce-scattered grad: ``alloc(numel, dtype)``, or for a
     parked shard an aligned one (its store writes it as is) whose memory the store's reuse pool
-    may give (``parking.grad_buffer``; the step during backward gives it back)."""
+    may give (``landing.grad_buffer``; the step during backward gives it back)."""
     if parking.parked(shard) is None or shard.device.type != "cpu":
         return alloc(numel, dtype)
-    return parking.grad_buffer(shard, numel, dtype, alloc)
+    return landing.grad_buffer(shard, numel, dtype, alloc)
 
 
 def accumulate_grad(shard: torch.Tensor, part: torch.Tensor, accumulate: bool) -> bool:
