@@ -76,6 +76,13 @@ def test_inplace_adam_step_faults_no_fresh_pages(tmp_path):
 
 
 def _faults(fn) -> int:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    fn()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    """Minor page faults ``fn`` takes on this thread, its ops on this thread alone (other threads
+    of the test process, an IO thread or a lingering one, fault at their own pace)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        fn()
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    finally:
+        torch.set_num_threads(threads)

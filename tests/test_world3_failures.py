@@ -170,4 +170,3 @@ def _irregular_outcome() -> tuple[str, str]:
 def test_groups_that_make_no_grid_are_refused_on_every_rank():
     for kind, message in run(3, _irregular_outcome, timeout=30.0):
         assert kind == "ValueError" and "disagree on the layout" in message, message
-
