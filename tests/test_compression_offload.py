@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from harness import run
+from test_hybrid_offload import _groups, _micro_batches
 
 STEPS, LR = 3, 0.05
 KNOBS = dict(prefetch_bucket_size=2000, max_live_parameters=4000, persistence_threshold=0, max_reuse_distance=0)
@@ -24,20 +25,7 @@ def _model() -> nn.Module:
 
 def _layout(kind: str) -> dict:
     """``partitioned`` groups: all ranks ("flat") or shards on {0, 1} and {2, 3} ("hybrid")."""
-    import torch.distributed as dist
-    if kind == "flat":
-        return {}
-    rank = dist.get_rank()
-    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
-    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    return {"group": rows[rank // 2], "replicate_group": columns[rank % 2]}
-
-
-def _micro_batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of ``step``: step 1 accumulates two of 2 rows, the others one of 4."""
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x, y = torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
-    return [(x[:2], y[:2]), (x[2:], y[2:])] if step == 1 else [(x, y)]
+    return {} if kind == "flat" else _groups()
 
 
 def train(tmp: str, kind: str, mode: str, policy) -> tuple[list, dict, int]:
