@@ -208,6 +208,38 @@ def test_nested_contexts_late_params_no_leak():
     assert all(run(2, body_context_features))
 
 
+def _decorated(cls: type) -> type:
+    """Wrap ``cls.__init__`` once the class exists, as Hugging Face kernels'
+    ``use_kernelized_func`` does: each instance gets an attribute its forward needs."""
+    orig = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self.__dict__["decorated"] = True
+    cls.__init__ = __init__
+    return cls
+
+
+def body_decorated_inside_the_context():
+    with partitioned():
+        @_decorated
+        class Lazy(nn.Module):  # defined inside the context, as a lazily imported model class is
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(3))
+        inside = Lazy()
+    after = Lazy()
+    with partitioned():
+        again = Lazy()
+    built = [inside, after, again]
+    return ([m.__dict__.get("decorated", False) for m in built], [is_partitioned(m.w) for m in built])
+
+
+def test_a_class_decorated_after_its_definition_inside_the_context_keeps_its_decoration():
+    for decorated, sharded in run(2, body_decorated_inside_the_context):
+        assert decorated == [True, True, True] and sharded == [True, False, True]
+
+
 def body_no_leak_after_error():
     try:
         with partitioned():

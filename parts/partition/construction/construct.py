@@ -56,7 +56,7 @@ class _State:
     def __init__(self) -> None:
         self.configs: list[Optional[ShardSpec]] = []  # None = an enabled=False context
         self.building: dict[int, list] = {}  # id(module) -> [init depth, spec]
-        self.restore: list[tuple[type, str, Any]] = []
+        self.restore: list[tuple[type, str, Any, Any]] = []  # (class, name, value before, ours)
         self.mode: Optional[_intercept.Interceptor] = None
 
 
@@ -219,6 +219,9 @@ def _wrap_init(cls: type) -> None:
 
     @functools.wraps(orig)
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if _state.mode is None:  # kept after the context by a decorator that wrapped it (below)
+            orig(self, *args, **kwargs)
+            return
         _enter_init(self)
         ok = False
         try:
@@ -232,7 +235,7 @@ def _wrap_init(cls: type) -> None:
         type.__setattr__(cls, "__init__", __init__)
     except TypeError:  # an immutable (extension) type: its modules are adopted by their parents
         return
-    _state.restore.append((cls, "__init__", orig))
+    _state.restore.append((cls, "__init__", orig, __init__))
 
 
 def _init_subclass(cls: type, **kwargs: Any) -> None:
@@ -279,7 +282,7 @@ def _install() -> None:
         _wrap_init(cls)
     for name, value in (("apply", _apply), ("register_parameter", _register_parameter),
                         ("__init_subclass__", classmethod(_init_subclass))):
-        _state.restore.append((nn.Module, name, nn.Module.__dict__.get(name)))
+        _state.restore.append((nn.Module, name, nn.Module.__dict__.get(name), value))
         type.__setattr__(nn.Module, name, value)
     _state.mode = _intercept.Interceptor()
     _state.mode.__enter__()
@@ -292,7 +295,12 @@ def _uninstall(ok: bool) -> None:
     finally:
         _state.mode.__exit__(None, None, None)
         _state.mode = None
-        for cls, name, value in reversed(_state.restore):
+        for cls, name, value, ours in reversed(_state.restore):
+            if cls.__dict__.get(name) is not ours:
+                # Replaced since: a class defined inside the context (a lazy import) whose
+                # decorator wrapped our __init__ (Hugging Face kernels' use_kernelized_func);
+                # restoring would drop the decoration. Ours stays inside theirs, inert now.
+                continue
             if value is None:
                 type.__delattr__(cls, name)
             else:
