@@ -13,6 +13,8 @@ every rank, naming the failing ranks and their errors.
   (chained to the local exception where there is one).
 - ``agree_on_layout(group, replicate_group, mesh, what)``: a sharded build's (shard group, replica group), compared
   across the world before the build's first collective.
+- ``exchange_in_rounds(mine, scopes, rank_of, own, what)``: items gathered over several groups in
+  turn, failures raised on every rank (``agree_on_layout`` and ``attach``'s agreement).
 """
 
 from __future__ import annotations
@@ -95,18 +97,30 @@ def agree_on_layout(group: GroupArg, replicate_group: GroupArg, mesh: object, wh
     world = group_info(None).world_size
     if own is not None and not _asks_for_world(group, replicate_group, mesh, world):
         raise own  # the others may build nothing with this rank
-    seen = [layout if own is not None else (global_rank(), *_ranks(layout))]
-    for scope in _layout_scopes(layout if own is None else None, world):
-        every = all_gather_objects(seen, scope.group)  # earlier rounds' news travel on
-        seen = list({_rank_of(x): x for held in every for x in held}.values())
+    mine = layout if own is not None else (global_rank(), *_ranks(layout))
+    seen = exchange_in_rounds(mine, _layout_scopes(layout if own is None else None, world),
+                              lambda x: x[0], own, what)
+    check_layouts({x[0]: x[1:] for x in seen}, what)
+    return layout
+
+
+def exchange_in_rounds(mine: object, scopes: list[GroupInfo], rank_of: Callable[[object], int],
+                       own: Optional[BaseException], what: str) -> list:
+    """Every rank's item (``mine``: this rank's, or its ``Failure``), all-gathered over each of
+    ``scopes`` in turn (earlier rounds' items travel on, so two rounds over a grid's rows then
+    columns reach every rank); ``rank_of`` gives an item's global rank. Raises ``own`` (this
+    rank's exception) here, ``RankDisagreement`` naming the failed ranks elsewhere."""
+    seen = [mine]
+    for scope in scopes:
+        every = all_gather_objects(seen, scope.group)
+        seen = list({x.rank if isinstance(x, Failure) else rank_of(x): x for held in every for x in held}.values())
     failures = {f.rank: f for f in seen if isinstance(f, Failure)}
     if own is not None:
         raise own
     if failures:
         raise RankDisagreement(f"{what} failed on other ranks, so no rank went on (global ranks) "
                                f"{describe(failures)}")
-    check_layouts({x[0]: x[1:] for x in seen}, what)
-    return layout
+    return seen
 
 
 def _layout_scopes(layout: Optional[Layout], world: int) -> list[GroupInfo]:
@@ -118,10 +132,6 @@ def _layout_scopes(layout: Optional[Layout], world: int) -> list[GroupInfo]:
     if info.world_size * (replica.world_size if replica is not None else 1) == world:
         return [group_info(None)]
     return [g for g in (info, replica) if g is not None and g.world_size > 1]
-
-
-def _rank_of(item: object) -> int:
-    return item.rank if isinstance(item, Failure) else item[0]
 
 
 def _ranks(layout: Layout) -> tuple:

@@ -7,10 +7,10 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from parts.comm import (GroupArg, GroupInfo, ProcessGroup, all_gather_objects, check_member, global_rank,
+from parts.comm import (GroupArg, GroupInfo, ProcessGroup, check_member, global_rank,
                         group_info, is_distributed)
-from parts.comm.agree import Failure, RankDisagreement, check_layouts
-from parts.comm.failure import attempt, describe
+from parts.comm.agree import check_layouts, exchange_in_rounds
+from parts.comm.failure import attempt
 from parts.partition.core.param import is_partitioned, meta
 
 
@@ -113,21 +113,9 @@ def agree_to_attach(module: Any, coordinator: Any, attached: Any,
         check_group(module, coordinator.group)
         return _settings(module, coordinator)
     mine, own = attempt(local, global_rank())
-    seen: list = [mine]
-    for info in _scopes(module, None if failed is not None else coordinator.group):
-        seen = [x for every in all_gather_objects(seen, info.group) for x in every]
-        seen = list({_key(x): x for x in seen}.values())
-    failures = {f.rank: f for f in seen if isinstance(f, Failure)}
-    if own is not None:
-        raise own
-    if failures:
-        raise RankDisagreement(f"attach failed on other ranks, so no rank went on (global ranks) "
-                               f"{describe(failures)}")
+    scopes = _scopes(module, None if failed is not None else coordinator.group)
+    seen = exchange_in_rounds(mine, scopes, lambda s: s["rank"], own, "attach")
     _compare(sorted(seen, key=lambda s: s["rank"]))
-
-
-def _key(item: Any) -> int:
-    return item.rank if isinstance(item, Failure) else item["rank"]
 
 
 def _compare(every: list[dict]) -> None:
