@@ -414,6 +414,15 @@ def validation_loss(directory: Path, args: tuple[str, ...]) -> float:
     return evaluate(model, val, argparse.Namespace(**n))
 
 
+def _without_exit_barrier_report(stderr: str) -> str:
+    """``stderr`` without the lines torchrun's agent logs when the peer launcher hosting the store
+    left the exit barrier first (every worker had finished; a race between two launchers, which
+    the workers' own output never contains)."""
+    if "Error waiting on exit barrier" not in stderr:
+        return stderr
+    return "\n".join(line for line in stderr.splitlines() if "elastic/agent/server/api.py" not in line)
+
+
 HYBRID_RTOL = 1e-5  # the grad mean runs over 2 ranks then across 2 replicas instead of over 4: sums reordered
 
 
@@ -426,7 +435,7 @@ def test_train_gpt_hybrid_on_two_machines_equals_full_sharding(launched) -> None
         for run in runs:  # a launcher left waiting for its peer would wait until killed
             run.kill()
     for run in runs:
-        stderr = (run.workdir / "stderr").read_text()
+        stderr = _without_exit_barrier_report((run.workdir / "stderr").read_text())
         assert not re.search(CLEAN_STDERR, stderr), stderr
     hybrid_out, full_out = outs[0] + outs[1], outs[2]
     assert "world 4" in hybrid_out and "world 4" in full_out
