@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 
-from parts.offload import DiskStore, OffloadedOptimizer
+from parts.offload import DiskStore, OffloadedOptimizer, _adam
 
 CONFIGS = [
     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
@@ -33,12 +33,18 @@ def _train(make, kwargs, store, steps=4, shapes=((300, 700), (700,), (64, 64))):
     return [p.detach().clone() for p in params], opt
 
 
+@pytest.mark.parametrize("slice_bytes", [None, 4096])
 @pytest.mark.parametrize("make,kwargs", CONFIGS)
-def test_inplace_adam_equals_torch_bitwise(tmp_path, make, kwargs):
+def test_inplace_adam_equals_torch_bitwise(tmp_path, monkeypatch, make, kwargs, slice_bytes):
+    """Bitwise torch's step, the denominator whole or a slice at a time (4096 bytes: the
+    300 x 700 parameter in 206 slices, the last one partial)."""
+    if slice_bytes is not None:
+        monkeypatch.setattr(_adam, "SLICE_BYTES", slice_bytes)
     expected, _ = _train(make, kwargs, None)
     with DiskStore(str(tmp_path)) as store:
         got, opt = _train(make, kwargs, store)
         assert opt.inplace.steps > 0  # the in-place path ran (all but the first step)
+        assert opt.inplace.held_bytes <= _adam.SLICE_BYTES
         state = opt.state_of(opt.params[0])
     for e, g in zip(expected, got):
         assert torch.equal(e, g)

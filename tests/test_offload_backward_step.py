@@ -17,6 +17,7 @@ from test_offload_bf16 import _build as _build_bf16
 from test_offload_partition import KNOBS, _build, _train
 from test_offload_pipeline import _slow_writes
 from parts.offload import DiskStore, OffloadedOptimizer, _fileio, parking
+from parts.offload.backward_step import BackwardStep
 from parts.optim import BF16Optimizer
 from parts.partition import attach, detach, full_state_dict, shards
 
@@ -39,17 +40,38 @@ def _grad_writes(store, counted):
     store.write = write
 
 
-def body_equivalence(tmp, kind, slow):
+def _shard_reads(store, opt, counted):
+    """Count the store's reads of shard keys into ``counted``: {steps taken so far: {key: reads}}."""
+    real_read, real_step = store.read, opt.step
+    steps = [0]
+
+    def read(key, out, urgent=False):
+        if key.startswith("shard/"):
+            per_step = counted.setdefault(steps[0], {})
+            per_step[key] = per_step.get(key, 0) + 1
+        return real_read(key, out, urgent)
+
+    def step(*args, **kwargs):
+        steps[0] += 1
+        return real_step(*args, **kwargs)
+
+    store.read, opt.step = read, step
+
+
+def body_equivalence(tmp, kind, slow, knobs=KNOBS, keep=True):
     rank = dist.get_rank()
+    if not keep:  # shards loaded for backward's all-gathers are dropped, and read again for their steps
+        BackwardStep.keeps = lambda self, i: False
     ref = _build(None)
     store = DiskStore(f"{tmp}/r{rank}", block_bytes=4096, max_inflight_bytes=1 << 16,
                       direct=False if slow else None)
     off = _build(store)
-    attach(ref, **KNOBS), attach(off, **KNOBS)
+    attach(ref, **knobs), attach(off, **knobs)
     ref_opt = OPTIMIZERS[kind](shards(ref))
     off_opt = OffloadedOptimizer(OPTIMIZERS[kind](shards(off)), store, chunk_bytes=20_000)
-    grad_keys, real, slept, torn = [], _fileio.OPS.pwritev, [], []
+    grad_keys, real, slept, torn, reads = [], _fileio.OPS.pwritev, [], [], {}
     _grad_writes(store, grad_keys)
+    _shard_reads(store, off_opt, reads)
     if slow:
         _slow_writes(store, slept, torn)
     try:
@@ -68,6 +90,7 @@ def body_equivalence(tmp, kind, slow):
         grad_writes=len(set(grad_keys)), held_after_step=held_after_step,
         held_after_settle=sum(parking.parked(p).holds for p in shards(off)),
         resident=sum(1 for p in shards(off) if p.untyped_storage().nbytes()),
+        last_step_reads=reads[3], shard_keys=len(shards(off)),
         slept=len(slept), torn=torn)
     detach(ref), detach(off)
     store.close()
@@ -96,6 +119,24 @@ def _check(out, slow=False):
 def test_step_in_backward_equals_memory(tmp_path, world):
     for out in run(world, body_equivalence, str(tmp_path), "adamw", False):
         _check(out)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_step_in_backward_reuses_the_backward_gathers_bytes(tmp_path, world):
+    """Grads landing a block at a time (a reduce bucket of about one block): a shard loaded for
+    its backward all-gather stays loaded for its step, which then reads only its state. A steady
+    step reads each shard about twice (its forward and backward all-gathers; the tied embedding,
+    gathered twice in forward, and a shard landing late read three times) where a third of the
+    shards are read three times with the shards dropped after the gathers; bitwise the in-memory
+    run either way."""
+    knobs = dict(KNOBS, reduce_bucket_size=3000)
+    kept = run(world, body_equivalence, str(tmp_path / "kept"), "adamw", False, knobs)
+    dropped = run(world, body_equivalence, str(tmp_path / "dropped"), "adamw", False, knobs, False)
+    for out in kept + dropped:
+        _check(out)
+    for k, d in zip(kept, dropped):
+        thrice = [sum(n == 3 for n in out["last_step_reads"].values()) for out in (k, d)]
+        assert max(k["last_step_reads"].values()) <= 3 and thrice[0] <= 2 < thrice[1], thrice
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adagrad"])

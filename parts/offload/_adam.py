@@ -5,17 +5,18 @@ parameter and step (``exp_avg_sq.sqrt()`` and its quotient by the bias correctio
 the mmap threshold the store fixes (``_heap``), each is a fresh mapping whose every page
 faults when written: two faults per 4 KiB of parameter per step, CPU time in the kernel. This
 update runs the same operations in the same order on the same operands, writing the
-denominator into one scratch buffer the optimizer keeps (``out=`` and in-place ops), so its
-bits are torch's. It takes only what it reproduces exactly: ``torch.optim.Adam`` or ``AdamW``
-themselves (not subclasses), float ``lr`` and betas, real floating CPU parameters with dense
-grads, the default (single-tensor) implementation, no step hooks, and state already
-initialised (a parameter's first step goes through torch). Anything else returns False and
-the caller runs the wrapped optimizer's own ``step()``.
+denominator into one scratch buffer the optimizer keeps (``out=`` and in-place ops; a large
+parameter a slice at a time), so its bits are torch's. It takes only what it reproduces
+exactly: ``torch.optim.Adam`` or ``AdamW`` themselves (not subclasses), float ``lr`` and
+betas, real floating CPU parameters with dense grads, the default (single-tensor)
+implementation, no step hooks, and state already initialised (a parameter's first step goes
+through torch). Anything else returns False and the caller runs the wrapped optimizer's own
+``step()``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -44,6 +45,24 @@ def _hooked(optimizer: torch.optim.Optimizer) -> bool:
                 or getattr(optimizer, "_optimizer_step_post_hooks", None))
 
 
+SLICE_BYTES = 8 << 20
+"""The denominator is computed this many bytes of a parameter at a time (a multiple of every
+vector width: each slice but the last runs whole vectors, as the whole tensor would), so the
+scratch stays small however large the parameter; the ops are elementwise: the same bits."""
+
+
+def _slices(param: torch.Tensor, exp_avg: torch.Tensor, second: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """``(param, exp_avg, second)`` as aligned flat slices of ``SLICE_BYTES``, or whole if any is not contiguous."""
+    tensors = (param, exp_avg, second)
+    if not all(t.is_contiguous() for t in tensors):
+        yield tensors
+        return
+    span = max(1, SLICE_BYTES // param.element_size())
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, param.numel(), span):
+        yield tuple(t[start:start + span] for t in flat)
+
+
 class InplaceAdam:
     """Steps a plain Adam/AdamW in place (module docstring); ``scratch`` is its one reused buffer."""
 
@@ -53,7 +72,7 @@ class InplaceAdam:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the scratch buffer (at most the largest parameter stepped here)."""
+        """Bytes of the scratch buffer (at most ``SLICE_BYTES``, or a non-contiguous parameter's size)."""
         return self.scratch.nbytes
 
     def applies(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -102,8 +121,9 @@ class InplaceAdam:
         if group["amsgrad"]:
             torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
             second = state["max_exp_avg_sq"]
-        denom = self._denominator(second)
-        torch.sqrt(second, out=denom)
-        denom.div_(bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+        for p, m, v in _slices(param, exp_avg, second):
+            denom = self._denominator(v)
+            torch.sqrt(v, out=denom)
+            denom.div_(bias_correction2_sqrt).add_(eps)
+            p.addcdiv_(m, denom, value=-step_size)
         self.steps += 1

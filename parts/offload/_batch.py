@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -50,3 +51,21 @@ def discard(batch: Optional[Batch], spares: Spares) -> None:
     if batch is not None:
         batch.after, batch.spares = [], spares
         batch.finish()
+
+
+def finish_quietly(batch: Batch) -> None:
+    """Finish ``batch`` whatever its transfers met (a step being rolled back discards them)."""
+    for handle in batch.handles:
+        with contextlib.suppress(Exception):
+            handle.wait()
+    batch.handles = []
+    batch.finish()
+
+
+def discard_quietly(batch: Batch, spares: Spares) -> None:
+    """``discard`` a batch of reads whatever they met."""
+    for handle in batch.handles:
+        with contextlib.suppress(Exception):
+            handle.wait()
+    batch.handles = []
+    discard(batch, spares)

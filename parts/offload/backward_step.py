@@ -15,7 +15,10 @@ Reads ahead: grads land in about the same order every step (reverse forward orde
 order of the last step's landings says which parameters come next; the reads of the next
 ones run up to ``window_bytes`` (parameter, grad and state bytes) ahead of the landings. A
 shard read ahead is held loaded (``parking.hold``), so the backward all-gather that uses it
-just before its grad lands does not drop it: the step reuses those bytes.
+just before its grad lands does not drop it: the step reuses those bytes. The other way
+round too: a shard loaded for a backward all-gather stays loaded (``keeps``: its ``Parked.keep``)
+if its grad lands within ``window_bytes`` of shard bytes after the landings so far, so its step
+reads only its state (each shard is read twice a step, not three times).
 
 The last landings' shards (first used by the next forward: up to ``window_bytes``) stay
 loaded after their writes, for that forward's all-gathers, which drop them.
@@ -51,7 +54,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 
 from parts.offload import landing, parking
-from parts.offload._batch import Batch, discard
+from parts.offload._batch import Batch, discard, discard_quietly, finish_quietly
 from parts.offload.spares import Spares
 
 NORM_TYPES = (1.0, 2.0, math.inf)
@@ -105,6 +108,7 @@ class BackwardStep:
         self._cursor = 0  # position in ``order`` up to which reads were started
         self._tail: set[int] = set()  # the last landings: first used by the next forward
         self._kept: list[torch.Tensor] = []  # their shards, left loaded after their writes
+        self._positions: dict[int, int] = {}  # index -> bytes landing before it (``_positions``)
         self.ahead_bytes = self.landed_bytes = self.writes_bytes = 0  # each at most one window or parameter
 
     # ------------------------------------------------------------- during backward
@@ -120,8 +124,10 @@ class BackwardStep:
         if not self.open:
             self.forget_norms()
         self.open = True
+        self._positions = _positions(self.order, self.opt.params)
         for p, record in records:
             record.on_grad = partial(self.land, p)
+            record.keep = partial(self.keeps, self.opt.index_of(p))
         try:
             with torch.no_grad():
                 self.read_ahead()
@@ -130,8 +136,10 @@ class BackwardStep:
             self.roll_back()
             raise
         finally:
-            for _, record in records:
-                record.on_grad = None
+            for p, record in records:
+                record.on_grad = record.keep = None
+                if record.resident and record.holds == 0:
+                    parking.release(p)  # kept for a landing that did not come
 
     def _grad_records(self) -> list[tuple[torch.Tensor, parking.Parked]]:
         """(parameter, the record its grads land in) of every parked parameter; raises for masters."""
@@ -197,6 +205,16 @@ class BackwardStep:
             if record is not None:
                 record.consumed = None
         self._norms = {}
+
+    def keeps(self, i: int) -> bool:
+        """True if parameter ``i``'s shard, loaded for a backward all-gather, should stay loaded for
+        its step: by the last landing order, its grad lands within ``window_bytes`` of shard bytes
+        from the landings so far (its step then reads only its state)."""
+        if i in self.stepped or i not in self._positions:
+            return False
+        done = len(self.landed)
+        start = self._positions[self.order[done]] if done < len(self.order) else 0
+        return self._positions[i] - start <= self.window_bytes
 
     def read_ahead(self) -> None:
         """Start the reads of the parameters expected next, up to ``window_bytes`` ahead (one at least)."""
@@ -317,7 +335,7 @@ class BackwardStep:
         """Undo the staged steps: wait their writes, delete them, restore what they changed in
         memory, empty every value loaded for them; the next backward starts clean."""
         while self._writes:
-            _finish_quietly(self._writes.popleft()[0])
+            finish_quietly(self._writes.popleft()[0])
         for i, (batch, _) in list(self._reads.items()):
             discard_quietly(batch, self.opt.spares)
             p = self.opt.params[i]
@@ -360,22 +378,13 @@ class BackwardStep:
         self.ahead_bytes = self.landed_bytes = 0
 
 
-def _finish_quietly(batch: Batch) -> None:
-    """Finish ``batch`` whatever its transfers met (a step being rolled back discards them)."""
-    for handle in batch.handles:
-        with contextlib.suppress(Exception):
-            handle.wait()
-    batch.handles = []
-    batch.finish()
-
-
-def discard_quietly(batch: Batch, spares: Spares) -> None:
-    """``discard`` a batch of reads whatever they met."""
-    for handle in batch.handles:
-        with contextlib.suppress(Exception):
-            handle.wait()
-    batch.handles = []
-    discard(batch, spares)
+def _positions(order: list[int], params: list[torch.Tensor]) -> dict[int, int]:
+    """index -> the bytes of the parameters before it in ``order``."""
+    out, total = {}, 0
+    for i in order:
+        out[i] = total
+        total += params[i].numel() * params[i].element_size()
+    return out
 
 
 def _tail(order: list[int], params: list[torch.Tensor], nbytes: int) -> list[int]:

@@ -58,6 +58,7 @@ class Parked:
     # the norms {1, 2, inf} of a grad consumed by a step during backward (a call: it may wait a read)
     consumed: Optional[Callable[[], dict[float, torch.Tensor]]] = field(default=None, repr=False)
     label: str = ""  # what errors call it: the parameter a shard belongs to, else its key
+    keep: Optional[Callable[[], bool]] = field(default=None, repr=False)  # True: ``release`` keeps it loaded
 
     @property
     def grad_key(self) -> str:
@@ -199,9 +200,10 @@ def drop(t: torch.Tensor) -> None:
 
 def release(t: torch.Tensor) -> None:
     """``drop`` ``t`` unless a read of it is in flight (someone prefetched it since it was loaded:
-    the bytes are theirs to use) or someone ``hold``s it; waits its write in flight either way."""
+    the bytes are theirs to use), someone ``hold``s it, or its ``keep`` says a step will soon use
+    the bytes; waits its write in flight either way."""
     record = parked(t)
-    if record.pending is None and record.holds == 0:
+    if record.pending is None and record.holds == 0 and not (record.keep is not None and record.keep()):
         drop(t)
     else:
         _wait_save(record)
