@@ -4,7 +4,8 @@ parameters and AdamW state on disk in both.
     python benchmarks/bench_offload_infinity.py                   # 25M GPT, world 2
     python benchmarks/bench_offload_infinity.py --params 151M --steps 3
 
-Each system runs in its own ``--world-size`` processes (gloo), one system after the other:
+Each system runs in its own ``--world-size`` processes (gloo), one system after the other, in
+each of ``--rounds`` rounds (a system's step is its median over the rounds, each round's given):
 
 * parts: ``partitioned(remote_device=DiskStore(...))``, ``attach``, ``OffloadedOptimizer(AdamW)``
   stepping during backward; the store's windows sized by its default ``memory_budget``.
@@ -64,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--systems", default="parts,infinity,memory",
                     help="memory: parts in memory, the reference both offloaded runs' losses are set against")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary stores go")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the systems this many times, one after the other in each round; a "
+                         "system's step is its median over the rounds (each round's is reported)")
     return ap.parse_args()
 
 
@@ -231,41 +235,65 @@ def main() -> None:
     write_rate, read_rate = raw_bandwidth(args.dir)
     print(f"raw disk bandwidth under {args.dir} (O_DIRECT, 8 MiB blocks): write {write_rate / MiB:.0f} MiB/s, "
           f"read {read_rate / MiB:.0f} MiB/s; system load {os.getloadavg()[0]:.1f}", flush=True)
-    results = mp.Manager().dict()
-    for system in args.systems.split(","):
-        mp.spawn(_worker, args=(args.world_size, _free_port(), system, args, results), nprocs=args.world_size)
-        r = results[system]
-        print(f"{system}: step {r['step']:.2f} s, built in {r['built']:.1f} s, peak RSS per rank "
-              + ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]) + " MiB, read / written per step per rank "
-              + ", ".join(f"{rd / MiB:.0f} / {wr / MiB:.0f}" for _, rd, wr, _ in r["ranks"])
-              + f" MiB ({disk_fraction(r, write_rate, read_rate):.0%} of the disk's raw bandwidth), CPU per step "
-              + ", ".join(f"{c:.2f}" for *_, c in r["ranks"]) + " s, "
-              + f"system load {r['load']:.1f}, losses "
-              + " ".join(f"{v:.4f}" for v in r["losses"]), flush=True)
-    rows = [{"system": s, "step_s": round(r["step"], 3),
-             "peak_rss_MiB": ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]),
-             "read_MiB_per_step": ", ".join(f"{rd / MiB:.0f}" for _, rd, _, _ in r["ranks"]),
-             "written_MiB_per_step": ", ".join(f"{wr / MiB:.0f}" for _, _, wr, _ in r["ranks"]),
-             "disk_bandwidth_fraction": round(disk_fraction(r, write_rate, read_rate), 3),
-             "cpu_s_per_step": ", ".join(f"{c:.2f}" for *_, c in r["ranks"]),
-             "system_load": round(r["load"], 1),
-             "first_loss": round(r["losses"][0], 4), "last_loss": round(r["losses"][-1], 4)}
-            for s, r in results.items()]
+    shared, rounds = mp.Manager().dict(), {}
+    for _ in range(args.rounds):
+        for system in args.systems.split(","):
+            rounds.setdefault(system, []).append(_run_system(system, args, shared, write_rate, read_rate))
+    results = {system: dict(runs[-1], step=statistics.median(r["step"] for r in runs),
+                            rounds=[round(r["step"], 3) for r in runs]) for system, runs in rounds.items()}
+    _report(args, psi, results, write_rate, read_rate)
+
+
+def _run_system(system: str, args: argparse.Namespace, results, write_rate: float, read_rate: float) -> dict:
+    """One run of ``system`` in ``--world-size`` processes; prints its line and returns its result."""
+    mp.spawn(_worker, args=(args.world_size, _free_port(), system, args, results), nprocs=args.world_size)
+    r = dict(results[system])
+    print(f"{system}: step {r['step']:.2f} s, built in {r['built']:.1f} s, peak RSS per rank "
+          + ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]) + " MiB, read / written per step per rank "
+          + ", ".join(f"{rd / MiB:.0f} / {wr / MiB:.0f}" for _, rd, wr, _ in r["ranks"])
+          + f" MiB ({disk_fraction(r, write_rate, read_rate):.0%} of the disk's raw bandwidth), CPU per step "
+          + ", ".join(f"{c:.2f}" for *_, c in r["ranks"]) + " s, "
+          + f"system load {r['load']:.1f}, losses "
+          + " ".join(f"{v:.4f}" for v in r["losses"]), flush=True)
+    return r
+
+
+def _row(system: str, r: dict, write_rate: float, read_rate: float) -> dict:
+    """A system's row of the results file (the step: its median over the rounds; the rest: its last round)."""
+    return {"system": system, "step_s": round(r["step"], 3), "step_s_rounds": ", ".join(map(str, r["rounds"])),
+            "peak_rss_MiB": ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]),
+            "read_MiB_per_step": ", ".join(f"{rd / MiB:.0f}" for _, rd, _, _ in r["ranks"]),
+            "written_MiB_per_step": ", ".join(f"{wr / MiB:.0f}" for _, _, wr, _ in r["ranks"]),
+            "disk_bandwidth_fraction": round(disk_fraction(r, write_rate, read_rate), 3),
+            "cpu_s_per_step": ", ".join(f"{c:.2f}" for *_, c in r["ranks"]),
+            "system_load": round(r["load"], 1),
+            "first_loss": round(r["losses"][0], 4), "last_loss": round(r["losses"][-1], 4)}
+
+
+def _report(args: argparse.Namespace, psi: int, results: dict, write_rate: float, read_rate: float) -> None:
+    """Print and record the rows and the side-by-side summary."""
+    rows = [_row(s, r, write_rate, read_rate) for s, r in results.items()]
     summary = {"model": f"GPT {args.params} ({psi / 1e6:.0f} M params), world {args.world_size}, "
-                        f"{args.batch_size}x{args.seq_len} tokens per rank, {args.warmup} + {args.steps} steps",
+                        f"{args.batch_size}x{args.seq_len} tokens per rank, {args.warmup} + {args.steps} steps, "
+                        f"{args.rounds} round(s)",
                "raw disk MiB/s (O_DIRECT write, read)": f"{write_rate / MiB:.0f}, {read_rate / MiB:.0f}"}
-    if {"parts", "infinity"} <= set(results.keys()):
+    if {"parts", "infinity"} <= set(results):
         p, d = results["parts"], results["infinity"]
         summary["infinity step / parts step"] = round(d["step"] / p["step"], 2)
+        summary["infinity step / parts step, each round"] = ", ".join(
+            f"{a / b:.2f}" for a, b in zip(d["rounds"], p["rounds"]))
         summary["infinity CPU / parts CPU"] = round(sum(r[3] for r in d["ranks"]) / sum(r[3] for r in p["ranks"]), 2)
         summary["parts RSS / infinity RSS"] = round(max(r[0] for r in p["ranks"]) / max(r[0] for r in d["ranks"]), 2)
         gap = max(abs(a - b) for a, b in zip(p["losses"], d["losses"]))
         summary["largest loss difference parts - infinity"] = f"{gap:.2e}"
-    if "memory" in results.keys():
+    if "memory" in results:
         ref = results["memory"]["losses"]
-        for s in set(results.keys()) - {"memory"}:
+        for s in sorted(set(results) - {"memory"}):
             gap = max(abs(a - b) for a, b in zip(results[s]["losses"], ref))
             summary[f"{s}: largest loss difference to in memory"] = f"{gap:.2e}"
+        if "parts" in results:
+            summary["parts RSS / in-memory RSS"] = round(
+                max(r[0] for r in results["parts"]["ranks"]) / max(r[0] for r in results["memory"]["ranks"]), 2)
     print(summary, flush=True)
     record("bench_offload_infinity" + ("" if args.params == "25M" else f"_{args.params}"),
            {"rows": rows, "summary": summary})
