@@ -142,9 +142,16 @@ def live_knobs(config: GPTConfig, store: DiskStore) -> dict[str, int]:
                 reduce_bucket_size=max(knobs["reduce_bucket_size"], layer))
 
 
-def knobs_bound(config: GPTConfig, store: DiskStore, world: int) -> int:
+def agreed_knobs(config: GPTConfig, store: DiskStore) -> dict[str, int]:
+    """``live_knobs`` the same on every rank (each knob's least over the ranks: a default budget is
+    a share of the memory available when each rank looked, and ``attach`` refuses knobs that differ)."""
+    every = all_gather_objects(live_knobs(config, store))
+    return {name: min(knobs[name] for knobs in every) for name in every[0]}
+
+
+def knobs_bound(config: GPTConfig, store: DiskStore, world: int, knobs: dict[str, int]) -> int:
     """``plan.memory_bound`` of the knobs this run uses (activations aside): bytes above a rank's baseline."""
-    b, knobs = store.budget, live_knobs(config, store)
+    b = store.budget
     largest = 16 * -(-4 * config.n_embd ** 2 // world)  # an MLP weight's shard: value, grad, two moments
     return memory_bound(OffloadBudget(
         knobs["max_live_parameters"], knobs["prefetch_bucket_size"], 4, world, b.chunk_bytes, store.threads,
@@ -152,9 +159,9 @@ def knobs_bound(config: GPTConfig, store: DiskStore, world: int) -> int:
         read_ahead=2 * knobs["prefetch_bucket_size"], largest_step_bytes=largest))
 
 
-def budget_rows(store: DiskStore, config: GPTConfig, world: int) -> list[tuple[str, str]]:
+def budget_rows(store: DiskStore, config: GPTConfig, world: int, knobs: dict[str, int]) -> list[tuple[str, str]]:
     """What the store's memory budget chose, and why; and whether the knobs' bound keeps within it."""
-    b, knobs, bound = store.budget, live_knobs(config, store), knobs_bound(config, store, world)
+    b, bound = store.budget, knobs_bound(config, store, world, knobs)
     within = ("within the budget" if bound <= b.memory_budget else
               "above the budget: whole blocks in the coordinator's windows (one prefetched, two gathered, "
               "one reduced) and the largest parameter's step are floors its shares do not cover")
@@ -169,12 +176,12 @@ def budget_rows(store: DiskStore, config: GPTConfig, world: int) -> list[tuple[s
                               f"(twice that read ahead from disk; at least two blocks)")]
 
 
-def build(args: argparse.Namespace, store: DiskStore):
+def build(args: argparse.Namespace, store: DiskStore, knobs: dict[str, int]):
     torch.manual_seed(args.seed)
     config = config_of(args)
     with partitioned(remote_device=None if args.in_memory else store):
         model = GPT(config)
-    attach(model, max_reuse_distance=0, persistence_threshold=4 * config.n_embd, **live_knobs(config, store))
+    attach(model, max_reuse_distance=0, persistence_threshold=4 * config.n_embd, **knobs)
     inner = torch.optim.AdamW(shards(model), lr=args.lr or lr_for(config), weight_decay=0.0)
     chunk = None if args.chunk_mib is None else args.chunk_mib << 20
     optimizer = inner if args.in_memory else OffloadedOptimizer(inner, store, chunk_bytes=chunk)
@@ -238,17 +245,17 @@ def main() -> None:
     budget = None if args.memory_budget_gib is None else int(args.memory_budget_gib * GiB)
     store = DiskStore(os.path.join(args.store, f"rank{rank}"), threads=args.io_threads, memory_budget=budget,
                       max_inflight_bytes=None if args.inflight_mib is None else args.inflight_mib << 20)
-    directories = all_gather_objects(store.directory)
+    directories, knobs = all_gather_objects(store.directory), agreed_knobs(config_of(args), store)
     if rank == 0:
         print("scratch stores (removed at exit): " + ", ".join(directories), flush=True)
-        print(report.table(budget_rows(store, config_of(args), world)), flush=True)
+        print(report.table(budget_rows(store, config_of(args), world, knobs)), flush=True)
         where = "partitioned() in memory" if args.in_memory else "partitioned(remote_device=store)"
         print(f"store: {store.mode}; building {args.params} under {where}; AdamW lr "
               f"{args.lr or lr_for(config_of(args)):.2e} ({max(args.warmup, 1)}-step warm-up), "
               f"{args.batch_size} x {args.seq_len} tokens per rank, system load "
               f"{os.getloadavg()[0]:.1f}", flush=True)
     start = time.perf_counter()
-    model, optimizer, schedule = build(args, store)
+    model, optimizer, schedule = build(args, store, knobs)
     built = broadcast_object(time.perf_counter() - start, src=0)
     if rank == 0:
         print(f"built in {report.clock(built)}; RSS {snapshot().rss_bytes / 2**20:.0f} MiB on rank 0", flush=True)

@@ -56,7 +56,7 @@ def _step(model, opt, step: int, in_backward: bool = False, hook=None) -> torch.
     handle = None if hook is None else model.blocks[1].register_forward_hook(hook)
     try:
         loss = model(*batch(step, 4, 8 * dist.get_rank()))
-        with opt.step_in_backward() if in_backward else contextlib.nullcontext():
+        with opt.step_in_backward(norm_types=(math.inf,)) if in_backward else contextlib.nullcontext():
             loss.backward()
     finally:
         if handle is not None:
@@ -89,6 +89,36 @@ def body_norms(tmp: str, in_backward: bool):
     out["same_weights"] = _same_weights(ref, off)
     _close(ref, off, store)
     return out
+
+
+def body_norm_orders(tmp: str):
+    """A step during backward keeps the order-2 norm of each grad it consumes unless asked for more."""
+    ref, ref_opt, off, off_opt, store = _pair(tmp)
+    errors = []
+    try:
+        off_opt.step_in_backward(norm_types=(0,))
+    except ValueError as e:
+        errors.append(str(e))
+    _step(ref, ref_opt, 0)
+    loss = off(*batch(0, 4, 8 * dist.get_rank()))
+    with off_opt.step_in_backward():
+        loss.backward()
+    same = float(grad_norm(off)) == float(grad_norm(ref))
+    try:
+        grad_norm(off, 1.0)
+    except ValueError as e:
+        errors.append(str(e))
+    off_opt.step()
+    ref_opt.step()
+    _close(ref, off, store)
+    return same, errors
+
+
+def test_step_in_backward_keeps_the_norm_orders_asked_for(tmp_path):
+    for same, errors in run(2, body_norm_orders, str(tmp_path), timeout=FAST):
+        assert same and len(errors) == 2, errors
+        assert "norm_types must be positive" in errors[0]
+        assert "norm_types=(2.0, 1.0)" in errors[1] and "orders [2.0] only" in errors[1], errors[1]
 
 
 def test_clip_grad_norm_sees_grad_shards_on_disk(tmp_path):

@@ -43,7 +43,7 @@ def body_train(tmp, flags):
     from parts.partition import detach, full_state_dict
 
     args, store = _store(recipe, tmp, ["--steps", "3", "--lr", "1e-2", *flags])
-    model, optimizer, schedule = recipe.build(args, store)
+    model, optimizer, schedule = recipe.build(args, store, recipe.agreed_knobs(recipe.config_of(args), store))
     before = {k: v.clone() for k, v in full_state_dict(model).items()}
     tokens, _ = load_splits(None)
     gen = torch.Generator().manual_seed(args.seed)
@@ -58,7 +58,8 @@ def body_budget_rows(tmp, flags):
     """The rows the recipe prints about its memory budget."""
     recipe = _recipe()
     args, store = _store(recipe, tmp, flags)
-    rows = recipe.budget_rows(store, recipe.config_of(args), dist.get_world_size())
+    config = recipe.config_of(args)
+    rows = recipe.budget_rows(store, config, dist.get_world_size(), recipe.agreed_knobs(config, store))
     store.close()
     return rows
 
@@ -80,3 +81,32 @@ def test_world1_prints_budget_and_why(tmp_path):
     assert given[1][0] == "  bound of these knobs" and given[1][1].endswith(": within the budget"), given
     default = run(1, body_budget_rows, str(tmp_path / "default"), [])[0]
     assert "available / 1 local rank(s) (LOCAL_WORLD_SIZE) / 16" in default[0][1], default
+
+
+def body_default_budgets_differ(tmp):
+    """Each rank's default budget from a different available memory (as ranks reading MemAvailable
+    a moment apart see): the knobs the recipe attaches with agree; each rank's own would not."""
+    recipe = _recipe()
+    from parts.partition import detach
+
+    gib = 2**30
+    with mock.patch("parts.offload._budget.available_memory", lambda: (64 + 32 * dist.get_rank()) * gib):
+        args, store = _store(recipe, tmp, [])
+    config = recipe.config_of(args)
+    own, agreed = recipe.live_knobs(config, store), recipe.agreed_knobs(config, store)
+    model, _, _ = recipe.build(args, store, agreed)  # attach checks that every rank passed the same
+    detach(model)
+    try:
+        recipe.build(args, store, own)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    store.close()
+    return own, agreed, refused
+
+
+def test_ranks_whose_default_budgets_differ_attach_with_the_same_knobs(tmp_path):
+    outs = run(2, body_default_budgets_differ, str(tmp_path))
+    (own0, agreed0, refused), (own1, agreed1, _) = outs
+    assert own0 != own1 and agreed0 == agreed1 == {k: min(own0[k], own1[k]) for k in own0}
+    assert "disagree" in refused, refused

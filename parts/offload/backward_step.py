@@ -38,7 +38,8 @@ the store) and its small in-memory state is snapshot before its step; ``finish``
 every landed grad was finite, and the optimizer then ``commit``s (renames, no bytes move) or
 ``roll_back``s (staged keys deleted, snapshots restored, loaded values emptied), which an
 exception during the backward also does before it propagates. The norms of each landed grad
-(orders 1, 2 and inf) stay on its parked record (``consumed``) until ``zero_grad``, for a
+(``_norms``: order 2, and those ``step_in_backward(norm_types=...)`` asks for) stay on its
+parked record (``consumed``) until ``zero_grad``, for a
 global grad norm to count grads that no longer exist. The optimizer is seen through
 ``Steppable``: the narrow interface ``OffloadedOptimizer`` gives this module.
 """
@@ -46,7 +47,6 @@ global grad norm to count grads that no longer exist. The optimizer is seen thro
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import deque
 from functools import partial
 from typing import Any, Callable, Iterator, Optional, Protocol
@@ -54,11 +54,9 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 
 from parts.offload import landing, parking
+from parts.offload._norms import NORM_TYPES, grad_norms
 from parts.offload._batch import Batch, discard, discard_quietly, finish_quietly
 from parts.offload.spares import Spares
-
-NORM_TYPES = (1.0, 2.0, math.inf)
-"""The norm orders recorded for each grad a step during backward consumes."""
 
 
 class Steppable(Protocol):
@@ -79,17 +77,6 @@ class Steppable(Protocol):
     def roll_back(self, p: torch.Tensor, snapshot: Any) -> None: ...
 
 
-def grad_norms(grad: torch.Tensor) -> dict[float, torch.Tensor]:
-    """The norms of ``grad`` a global grad norm adds up (fp32, as ``parts.comm.norm`` computes them)."""
-    g = grad.detach().float().reshape(-1)
-    norms = {n: torch.linalg.vector_norm(g, n) for n in NORM_TYPES if not math.isinf(n)}
-    # max |g| from one min/max pass: the same bits as vector_norm(g, inf), whose CPU kernel
-    # takes ~20x longer (of the three norms, most of a step's time in them)
-    low, high = torch.aminmax(g) if g.numel() else (g.new_zeros(()), g.new_zeros(()))
-    norms[math.inf] = torch.maximum(high.abs(), low.abs())
-    return norms
-
-
 class BackwardStep:
     """Reads ahead, landed grads and writes in flight of one optimizer's step during backward."""
 
@@ -105,6 +92,7 @@ class BackwardStep:
         self._writes: deque[tuple[Batch, int]] = deque()  # (writes in flight, bytes), oldest first
         self._snapshots: dict[int, Any] = {}  # index -> what its staged step changed in memory
         self._norms: dict[int, dict[float, torch.Tensor]] = {}  # index -> its consumed grad's norms
+        self.norm_types = NORM_TYPES  # the orders of those norms (``session``)
         self._cursor = 0  # position in ``order`` up to which reads were started
         self._tail: set[int] = set()  # the last landings: first used by the next forward
         self._kept: list[torch.Tensor] = []  # their shards, left loaded after their writes
@@ -113,9 +101,9 @@ class BackwardStep:
 
     # ------------------------------------------------------------- during backward
     @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        """``OffloadedOptimizer.step_in_backward``: grads of parked parameters land in ``land``; an
-        exception inside rolls the step back before it propagates."""
+    def session(self, norm_types: tuple[float, ...] = NORM_TYPES) -> Iterator[None]:
+        """``OffloadedOptimizer.step_in_backward``: grads of parked parameters land in ``land``, their
+        norms of ``norm_types`` kept; an exception inside rolls the step back before it propagates."""
         if self.open and self.landed:
             raise RuntimeError("OffloadedOptimizer.step_in_backward: the grads of the last backward "
                                "inside it were stepped but not committed; call step() (or zero_grad() "
@@ -123,6 +111,7 @@ class BackwardStep:
         records = self._grad_records()
         if not self.open:
             self.forget_norms()
+        self.norm_types = norm_types
         self.open = True
         self._positions = _positions(self.order, self.opt.params)
         for p, record in records:
@@ -185,7 +174,7 @@ class BackwardStep:
     def norms_of(self, i: int) -> dict[float, torch.Tensor]:
         """The norms of parameter ``i``'s consumed grad (landed, earlier micro-batches' sum added)."""
         if i not in self._norms:
-            self._norms[i] = grad_norms(self._summed(i))
+            self._norms[i] = grad_norms(self._summed(i), self.norm_types)
         return self._norms[i]
 
     def _summed(self, i: int) -> torch.Tensor:
@@ -294,7 +283,7 @@ class BackwardStep:
         del self._grads[i]
         p.grad = grad
         if i not in self._norms:
-            self._norms[i] = grad_norms(grad)
+            self._norms[i] = grad_norms(grad, self.norm_types)
         parking.clear_grad(p)  # consumed by this step
         return whole
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -47,6 +47,7 @@ from parts.offload import parking
 from parts.offload._adam import InplaceAdam
 from parts.offload._batch import Batch as _Batch, discard as _discard
 from parts.offload._optim_state import Snapshot, StateAccess
+from parts.offload._norms import NORM_TYPES, norm_orders
 from parts.offload.backward_step import BackwardStep
 from parts.offload._budget import check_budget
 from parts.offload.plan import plan_chunks
@@ -117,7 +118,7 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         self._offload_all()
 
     # ------------------------------------------------------------------------ stepping
-    def step_in_backward(self) -> contextlib.AbstractContextManager:
+    def step_in_backward(self, norm_types: Sequence[float] = NORM_TYPES) -> contextlib.AbstractContextManager:
         """Inside, each parked parameter is stepped as soon as its grad shard lands during backward
         (``parts.offload.backward_step``): its grad never goes to the store, and its reads and
         writes run beside backward's compute. Call ``step()`` after that backward (it steps the
@@ -127,9 +128,10 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         finite, else it is rolled back and counted in ``skipped_steps``; an exception during the
         backward or ``zero_grad()`` rolls it back too. The old values and state stay in the store
         until the commit (the stepped parameters take twice their bytes on disk meanwhile).
-        ``grad_norm`` counts the consumed grads; a clip cannot scale them. Not with
-        ``BF16Optimizer``: its global norm and overflow check need every grad before any step."""
-        return self.backward_step.session()
+        ``grad_norm`` counts the consumed grads by the norms kept of each, of order 2 and of the
+        ``norm_types`` asked for (each order is a pass over the grad); a clip cannot scale them.
+        Not with ``BF16Optimizer``: its global norm and overflow check need every grad before any step."""
+        return self.backward_step.session(norm_orders(norm_types))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]

@@ -186,7 +186,8 @@ def consumed_norm(shard: torch.Tensor, norm_type: float) -> Optional[torch.Tenso
     if float(norm_type) not in norms:
         raise ValueError(f"grad norm of order {norm_type}: the grad of the shard stored under "
                          f"{record.key!r} was consumed by a step during backward, which keeps its "
-                         f"norms of orders {sorted(norms)} only")
+                         f"norms of orders {sorted(norms)} only; pass it norm_types "
+                         f"(OffloadedOptimizer.step_in_backward(norm_types=(2.0, {float(norm_type)})))")
     return norms[float(norm_type)]
 
 
