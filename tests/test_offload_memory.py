@@ -100,6 +100,13 @@ def test_min_budget_is_the_smallest_whose_chunk_holds_the_step(step, threads):
         assert split_budget(least - 64, threads, 8 << 20).chunk_bytes < step
 
 
+@given(gib=st.integers(0, 1 << 12), extra=st.integers(0, (1 << 30) - 1), ranks=st.integers(1, 16))
+def test_default_budget_is_the_same_within_a_gib_of_available_memory(gib, extra, ranks):
+    """Ranks that read the available memory a moment apart (within the same whole GiB) get one
+    budget, so the knobs sized from it agree."""
+    assert default_budget((gib << 30) + extra, ranks) == default_budget(gib << 30, ranks)
+
+
 def test_default_budget_shares_available_memory_among_local_ranks(tmp_path, monkeypatch):
     assert default_budget(64 << 30, 2) == 2 << 30 and default_budget(64 << 30, 4) == 1 << 30
     assert default_budget(1 << 30, 8) == 512 << 20 and default_budget(1 << 50, 1) == 16 << 30

@@ -33,7 +33,8 @@ def store_budget(memory_budget: Optional[int], threads: int, block_bytes: int) -
     available = available_memory()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     budget = default_budget(available, ranks)
-    why = (f"default: {available / 2**30:.1f} GiB available / {ranks} local rank(s) "
+    why = (f"default: {available // 2**30} GiB (whole GiB of {available / 2**30:.1f}) available / {ranks} "
+           f"local rank(s) "
            f"(LOCAL_WORLD_SIZE) / {DEFAULT_FRACTION}, within [0.5, 16] GiB")
     return split_budget(budget, threads, block_bytes, ALIGN, why, given=False)
 

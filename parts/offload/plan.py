@@ -96,6 +96,7 @@ def memory_bound(b: OffloadBudget, activations: int = 0) -> int:
 # knobs is at most 0.91 of the budget (activations are extra).
 SHARES = dict(chunk=1 / 6, max_inflight=1 / 8, live=1 / 12, reduce=1 / 32, reuse=1 / 32)
 DEFAULT_FRACTION = 16  # a default budget is 1/16 of the available memory per local rank
+BUDGET_GRAIN = 1 << 30  # the available memory a default budget shares, rounded down to whole GiB
 MIN_DEFAULT_BUDGET, MAX_DEFAULT_BUDGET = 512 << 20, 16 << 30
 
 
@@ -149,5 +150,6 @@ def min_budget(step_bytes: int, threads: int, block_bytes: int, align: int = 409
 def default_budget(available: int, local_ranks: int) -> int:
     """A rank's default budget: ``1/DEFAULT_FRACTION`` of the available memory over the local ranks,
     within [MIN_DEFAULT_BUDGET, MAX_DEFAULT_BUDGET] (the rest: activations, page cache, the others)."""
-    share = available // max(local_ranks, 1) // DEFAULT_FRACTION
+    whole = available // BUDGET_GRAIN * BUDGET_GRAIN  # ranks looking a moment apart see the same
+    share = whole // max(local_ranks, 1) // DEFAULT_FRACTION
     return max(MIN_DEFAULT_BUDGET, min(MAX_DEFAULT_BUDGET, share))
