@@ -13,7 +13,7 @@ import torch
 
 from parts.base.device import host_memory_available
 from parts.offload._fileio import ALIGN
-from parts.offload.plan import DEFAULT_FRACTION, BudgetSplit, default_budget, min_budget, split_budget
+from parts.offload.plan import BUDGET_GRAIN, DEFAULT_FRACTION, BudgetSplit, default_budget, min_budget, split_budget
 
 
 def available_memory() -> int:
@@ -33,9 +33,9 @@ def store_budget(memory_budget: Optional[int], threads: int, block_bytes: int) -
     available = available_memory()
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     budget = default_budget(available, ranks)
-    why = (f"default: {available // 2**30} GiB (whole GiB of {available / 2**30:.1f}) available / {ranks} "
-           f"local rank(s) "
-           f"(LOCAL_WORLD_SIZE) / {DEFAULT_FRACTION}, within [0.5, 16] GiB")
+    why = (f"default: {available // BUDGET_GRAIN * BUDGET_GRAIN / 2**30:.0f} GiB (whole GiB of "
+           f"{available / 2**30:.1f}) available / {ranks} local rank(s) (LOCAL_WORLD_SIZE) / "
+           f"{DEFAULT_FRACTION}, within [0.5, 16] GiB")
     return split_budget(budget, threads, block_bytes, ALIGN, why, given=False)
 
 

@@ -125,9 +125,10 @@ class BackwardStep:
             self.roll_back()
             raise
         finally:
+            came = set(self.landed)
             for p, record in records:
                 record.on_grad = record.keep = None
-                if record.resident and record.holds == 0:
+                if record.resident and record.holds == 0 and self.opt.index_of(p) not in came:
                     parking.release(p)  # kept for a landing that did not come
 
     def _grad_records(self) -> list[tuple[torch.Tensor, parking.Parked]]:

@@ -55,7 +55,7 @@ class Parked:
     holds: int = 0  # holders (``hold``) for whom ``release`` keeps the bytes loaded
     on_grad: Optional[Callable[[torch.Tensor, bool], None]] = field(default=None, repr=False)  # takes landing grads
     staged: bool = False  # a save under the staged key awaits ``commit`` or ``unstage``
-    # the norms {1, 2, inf} of a grad consumed by a step during backward (a call: it may wait a read)
+    # the norms (by order) of a grad consumed by a step during backward (a call: it may wait a read)
     consumed: Optional[Callable[[], dict[float, torch.Tensor]]] = field(default=None, repr=False)
     label: str = ""  # what errors call it: the parameter a shard belongs to, else its key
     keep: Optional[Callable[[], bool]] = field(default=None, repr=False)  # True: ``release`` keeps it loaded
