@@ -5,6 +5,9 @@ use and cached in ~/.cache/parts) and ``parts.csrc.reference`` (pure torch). The
 use the native one for an op only where ``NATIVE_DEFAULT`` says it measured faster, the tensors
 are on CPU, and the build works; otherwise the reference, with one ``NativeFallbackWarning``
 per process if the build failed. ``PARTS_CSRC_FALLBACK=1`` forces the reference everywhere.
+
+``host_cache`` is a CPU allocator from the same build that keeps freed large blocks for the
+next request of their size (``parts.offload``'s stores install it).
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from typing import Sequence
 
 import torch
 
-from . import native, reference
+from . import host_cache, native, reference
 from ._build import NativeUnavailable
 
-__all__ = ["flatten", "unflatten", "copy_in", "copy_out", "backend", "NATIVE_DEFAULT",
+__all__ = ["flatten", "unflatten", "copy_in", "copy_out", "backend", "NATIVE_DEFAULT", "host_cache",
            "NativeFallbackWarning", "native", "reference"]
 
 # Per-op default from benchmarks/bench_native.py --threads 1 (the per-rank setting): geometric

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-_SOURCES = ["ops.cpp"]
+_SOURCES = ["ops.cpp", "host_cache.cpp"]
 _LOCK = threading.Lock()
 _STATE: dict[str, object] = {}  # "ok": bool, "error": str once load_native has run
 

@@ -9,6 +9,12 @@ with the model although its states live on disk. A fixed threshold (``mallopt``,
 stops the dynamic rise) keeps every block of at least ``MMAP_THRESHOLD`` out of the heap:
 what an offloaded run holds is then what it uses. Applied once per process by the first
 ``DiskStore``, unless the user set ``MALLOC_MMAP_THRESHOLD_`` (theirs wins); a no-op off glibc.
+
+Each such block's next use then faults in fresh zeroed pages, and a training step makes the
+same large blocks again and again; so the store also installs ``parts.csrc.host_cache``, which
+keeps freed blocks of at least ``MMAP_THRESHOLD`` for the next request of their size while a
+store is open, within what the process held at its peak in this step or the last (without
+the native build the blocks just go back).
 """
 
 from __future__ import annotations
@@ -16,12 +22,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import itertools
 import threading
+from typing import Callable
+
+from parts.csrc import host_cache
 
 MMAP_THRESHOLD = 1 << 20  # blocks of at least 1 MiB bypass the heap; smaller ones stay fast
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
 _lock = threading.Lock()
 _applied: list[bool] = []  # [result] once tried in this process
+_cache_asks: dict[int, int] = {}  # an open store's token -> the bytes its budget gives the host cache
+_tokens = itertools.count()
 
 
 def _mallopt(num_bytes: int) -> bool:
@@ -40,3 +52,30 @@ def bound_heap() -> bool:
             user = os.environ.get("MALLOC_MMAP_THRESHOLD_")
             _applied.append(bool(user) or _mallopt(MMAP_THRESHOLD))
         return _applied[0]
+
+
+def cache_blocks(nbytes: int) -> Callable[[], None]:
+    """Let the host cache keep up to ``nbytes`` of freed large blocks (the most any open store
+    asks for) until the returned function is called: with no store open it keeps none."""
+    with _lock:
+        token = next(_tokens)
+        _cache_asks[token] = nbytes
+        _resize_cache()
+    return lambda: _forget(token)
+
+
+def _forget(token: int) -> None:
+    with _lock:
+        if _cache_asks.pop(token, None) is not None:
+            _resize_cache()
+
+
+def _resize_cache() -> None:
+    capacity = max(_cache_asks.values(), default=0)
+    if capacity or host_cache.stats().installed:
+        host_cache.install(capacity, MMAP_THRESHOLD)
+
+
+def step_done() -> None:
+    """A training step ended: the host cache keeps blocks within the peaks of this step and the last."""
+    host_cache.new_period()

@@ -27,10 +27,10 @@ behind stays loaded until it is done (``parking.drop`` and ``parking.load`` wait
 The wrapped optimizer steps a chunk by seeing only that chunk's parameters in its groups,
 so any optimizer whose update of a parameter depends only on that parameter's grad and
 state (AdamW, Adam, SGD, Adagrad, RMSprop, ... with the per-tensor or foreach kernels)
-gives bitwise the result of one in-memory step. Group options (``lr``...) stay shared, so
-LR schedulers work on this wrapper as on the plain optimizer. A plain ``Adam``/``AdamW`` is
-stepped in place (``_adam``: torch's update, bitwise, without its per-step temporaries). Optimizers that couple
-parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
+gives bitwise the result of one in-memory step. Group options (``lr``...) stay shared, so LR
+schedulers work on this wrapper as on the plain optimizer. A plain ``Adam``/``AdamW`` is stepped
+in place (``_adam``: torch's update, bitwise, without its per-step temporaries). Optimizers that
+couple parameters (LBFGS, a global grad-norm clip inside ``step``) are not supported.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ReduceOp, all_reduce, group_info
-from parts.offload import parking
+from parts.offload import _heap, parking
 from parts.offload._adam import InplaceAdam
 from parts.offload._batch import Batch as _Batch, discard as _discard
 from parts.offload._optim_state import Snapshot, StateAccess
@@ -161,6 +161,7 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         self._pipeline(chunks)
         if early and self.across_steps:
             self.backward_step.read_ahead()  # the next backward's first landings
+        _heap.step_done()
         return loss
 
     def _rest_finite(self) -> bool:
@@ -204,8 +205,7 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         return self._cost(p)
 
     def start_reads(self, params: list[torch.Tensor]) -> _Batch:
-        """Start reading ``params``' state and parked values (not their grads); finishing the
-        returned batch installs them."""
+        """Start reading ``params``' state and parked values (not grads); finishing the batch installs them."""
         return self._read(params, grads=False)
 
     def step_params(self, params: list[torch.Tensor]) -> None:

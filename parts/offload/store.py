@@ -119,6 +119,7 @@ class DiskStore:
             raise ValueError(f"DiskStore: direct IO (O_DIRECT) was asked for but the file system "
                              f"of {self.path!r} refuses it; pass direct=None to fall back")
         self.direct = can if direct is None else bool(direct)
+        self._uncache = weakref.finalize(self, _heap.cache_blocks(self.budget.host_cache_bytes))  # reuse, while open
         self.threads, self.block_bytes, self.max_inflight_bytes = threads, block_bytes, max_inflight_bytes
         self.stats = StoreStats()
         self.reuse = reuse  # memory of dropped parked tensors, for their next loads
@@ -223,6 +224,7 @@ class DiskStore:
         self._spare_files.clear()
         self.reuse.clear()
         self._finalizer()
+        self._uncache()
         self._watch = None
         self._queue.join()
 
