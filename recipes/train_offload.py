@@ -170,6 +170,8 @@ def budget_rows(store: DiskStore, config: GPTConfig, world: int, knobs: dict[str
                                        f"activations aside): {within}"),
             ("  store", f"{store.max_inflight_bytes / 2**20:.0f} MiB in flight, {store.reuse.capacity / 2**20:.0f} MiB "
                         f"reuse pool, {store.threads} x {store.block_bytes / 2**20:.1f} MiB bounce blocks"),
+            ("  host cache", f"{b.host_cache_bytes / 2**20:.0f} MiB at most of freed blocks of 1 MiB or more kept for "
+                             f"reuse, within the peak of those in use (parts.csrc.host_cache)"),
             ("  optimizer chunk", f"{b.chunk_bytes / 2**20:.0f} MiB (three held: read, stepped, written)"),
             ("  coordinator", f"{knobs['max_live_parameters'] * 4 / 2**20:.0f} MiB gathered, "
                               f"{knobs['prefetch_bucket_size'] * 4 / 2**20:.0f} MiB prefetched "
