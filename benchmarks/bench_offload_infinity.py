@@ -18,7 +18,8 @@ batches (``chardata``, seeded per rank) and use AdamW with the same lr and no we
 system: the median step time after ``--warmup`` steps, the peak RSS per rank (``ru_maxrss``), the
 bytes the process read and wrote per step at the block layer (``/proc/self/io``: what reached
 the disk, all threads), the CPU seconds per step per rank (user + system, all threads: what the
-step costs the machine, less sensitive to other load than wall time), the fraction of the
+step costs the machine, less sensitive to other load than wall time), the minor page faults per
+step per rank (each a fresh page the process touched), the fraction of the
 disk's raw bandwidth that traffic is (both ranks' bytes at the ``O_DIRECT`` read and write
 rates measured first, over the step time), the system load while it ran, and the loss of
 every step (mean over ranks).
@@ -168,6 +169,11 @@ def build_infinity(config: GPTConfig, directory: str, batch_size: int):
     return step, lambda: None
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far (all its threads): each is a fresh page touched."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namespace, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
@@ -191,7 +197,7 @@ def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namesp
     times, losses, io = [], [], None
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            io, load, cpu = io_bytes(), os.getloadavg()[0], cpu_seconds()
+            io, load, cpu, faults = io_bytes(), os.getloadavg()[0], cpu_seconds(), minor_faults()
         started = time.perf_counter()
         loss = step(*batch(tokens, args.batch_size, args.seq_len, gen))
         dist.barrier()
@@ -200,9 +206,10 @@ def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namesp
         losses.append(loss.item() / world)
     read, written = (b - a for a, b in zip(io, io_bytes()))
     cpu = (cpu_seconds() - cpu) / args.steps
+    faults = (minor_faults() - faults) / args.steps
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows = [None] * world
-    dist.all_gather_object(rows, (peak, read / args.steps, written / args.steps, cpu))
+    dist.all_gather_object(rows, (peak, read / args.steps, written / args.steps, cpu, faults))
     if rank == 0:
         load = (load + os.getloadavg()[0]) / 2
         results[system] = dict(step=statistics.median(times[args.warmup:]), built=built, losses=losses, ranks=rows,
@@ -216,7 +223,7 @@ def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namesp
 
 def disk_fraction(result: dict, write_rate: float, read_rate: float) -> float:
     """The share of a step the disk would be busy moving every rank's bytes at its raw rates."""
-    seconds = sum(rd / read_rate + wr / write_rate for _, rd, wr, _ in result["ranks"])
+    seconds = sum(rd / read_rate + wr / write_rate for _, rd, wr, *_ in result["ranks"])
     return seconds / result["step"]
 
 
@@ -229,6 +236,7 @@ def _free_port() -> int:
 def main() -> None:
     args = parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.makedirs(args.dir, exist_ok=True)
     psi = count_params(config_of(args))
     print(f"GPT {args.params} ({psi / 1e6:.0f} M params), world {args.world_size}, {args.batch_size}x"
           f"{args.seq_len} tokens per rank, fp32 AdamW lr {LR}, {args.warmup} + {args.steps} steps", flush=True)
@@ -250,9 +258,10 @@ def _run_system(system: str, args: argparse.Namespace, results, write_rate: floa
     r = dict(results[system])
     print(f"{system}: step {r['step']:.2f} s, built in {r['built']:.1f} s, peak RSS per rank "
           + ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]) + " MiB, read / written per step per rank "
-          + ", ".join(f"{rd / MiB:.0f} / {wr / MiB:.0f}" for _, rd, wr, _ in r["ranks"])
+          + ", ".join(f"{rd / MiB:.0f} / {wr / MiB:.0f}" for _, rd, wr, *_ in r["ranks"])
           + f" MiB ({disk_fraction(r, write_rate, read_rate):.0%} of the disk's raw bandwidth), CPU per step "
-          + ", ".join(f"{c:.2f}" for *_, c in r["ranks"]) + " s, "
+          + ", ".join(f"{rank[3]:.2f}" for rank in r["ranks"]) + " s, minor page faults per step "
+          + ", ".join(f"{rank[4] / 1e3:.0f}k" for rank in r["ranks"]) + ", "
           + f"system load {r['load']:.1f}, losses "
           + " ".join(f"{v:.4f}" for v in r["losses"]), flush=True)
     return r
@@ -262,10 +271,11 @@ def _row(system: str, r: dict, write_rate: float, read_rate: float) -> dict:
     """A system's row of the results file (the step: its median over the rounds; the rest: its last round)."""
     return {"system": system, "step_s": round(r["step"], 3), "step_s_rounds": ", ".join(map(str, r["rounds"])),
             "peak_rss_MiB": ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]),
-            "read_MiB_per_step": ", ".join(f"{rd / MiB:.0f}" for _, rd, _, _ in r["ranks"]),
-            "written_MiB_per_step": ", ".join(f"{wr / MiB:.0f}" for _, _, wr, _ in r["ranks"]),
+            "read_MiB_per_step": ", ".join(f"{rank[1] / MiB:.0f}" for rank in r["ranks"]),
+            "written_MiB_per_step": ", ".join(f"{rank[2] / MiB:.0f}" for rank in r["ranks"]),
             "disk_bandwidth_fraction": round(disk_fraction(r, write_rate, read_rate), 3),
-            "cpu_s_per_step": ", ".join(f"{c:.2f}" for *_, c in r["ranks"]),
+            "cpu_s_per_step": ", ".join(f"{rank[3]:.2f}" for rank in r["ranks"]),
+            "minor_faults_per_step": ", ".join(f"{rank[4] / 1e3:.0f}k" for rank in r["ranks"]),
             "system_load": round(r["load"], 1),
             "first_loss": round(r["losses"][0], 4), "last_loss": round(r["losses"][-1], 4)}
 
