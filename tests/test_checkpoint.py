@@ -1,26 +1,22 @@
-"""parts.checkpoint in one process: bitwise-equal grads, RNG replay, autograd.grad, nesting,
-policy options, buffers, errors and memory by storage accounting.
+"""parts.checkpoint in one process: bitwise-equal grads, autograd.grad, nesting, policy options,
+buffers and errors (RNG replay: test_checkpoint_rng.py; memory: test_checkpoint_memory.py).
 
-The models below are also imported by test_checkpoint_dist.py (partition_group 1..4).
+The models below are also imported by test_checkpoint_dist.py (partition_group 1..4) and the
+RNG and memory files.
 Every comparison is torch.equal: checkpointing replays the same ops on the same values.
 """
 
 from __future__ import annotations
 
-import gc
 import math
-import time
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
 
-from parts.checkpoint import (CheckpointPolicy, ContiguousBuffers, RNGTracker, checkpoint,
+from parts.checkpoint import (CheckpointPolicy, ContiguousBuffers, checkpoint,
                               seed_model_parallel)
-from parts.checkpoint.replicas import checksum, differing_ranks, replica_error
-from parts.observe import StorageTracker
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -266,92 +262,6 @@ def test_retain_graph_backward_twice():
     assert torch.equal(ref, x.grad)
 
 
-# ------------------------------------------------------------------ RNG
-
-
-def test_rng_states_after_backward_equal_before():
-    tracker = seed_model_parallel(11)
-    policy = CheckpointPolicy(rng_tracker=tracker)
-    torch.manual_seed(0)
-    model, x = MLP(), torch.randn(5, 11, requires_grad=True)
-    start = torch.get_rng_state()
-
-    def body(h):
-        with tracker.fork():
-            h = model(h)
-        return model(h)
-
-    out = checkpoint(body, x * 1.0, policy=policy)
-    cpu_before, tracked_before = torch.get_rng_state(), tracker.get_states()
-    assert not torch.equal(cpu_before, start)  # forward drew random numbers
-    out.sum().backward()
-    assert torch.equal(torch.get_rng_state(), cpu_before)
-    after = tracker.get_states()
-    assert after.keys() == tracked_before.keys()
-    assert all(torch.equal(after[k], tracked_before[k]) for k in after)
-
-
-def _tracked_mlp():
-    """A seeded tracker, an MLP, an input, and a body that runs the MLP in the tracker's stream."""
-    tracker = seed_model_parallel(5)
-    torch.manual_seed(0)
-    model, x = MLP(), torch.randn(5, 11, requires_grad=True)
-
-    def body(h):
-        with tracker.fork():
-            return model(h)
-
-    return tracker, model, x, body
-
-
-def test_tracker_stream_replayed_bitwise():
-    def run(ckpt):
-        tracker, model, x, body = _tracked_mlp()
-        h = x * 1.0
-        for _ in range(3):
-            h = checkpoint(body, h, policy=CheckpointPolicy(rng_tracker=tracker)) if ckpt else body(h)
-        h.sum().backward()
-        return [x.grad] + [p.grad for p in model.parameters()]
-
-    assert_all_equal(run(False), run(True))
-
-
-def test_without_tracker_in_policy_tracked_dropout_diverges():
-    # the tracker must be passed: otherwise its stream is not replayed (documented)
-    tracker, model, x, body = _tracked_mlp()
-    ref = torch.autograd.grad(body(x * 1.0).sum(), [x])[0]
-    tracker = seed_model_parallel(5, tracker=tracker)
-    got = torch.autograd.grad(checkpoint(body, x * 1.0).sum(), [x])[0]
-    assert not torch.equal(ref, got)
-
-
-def test_rng_tracker_basics():
-    tracker = RNGTracker()
-    tracker.add("a", 1)
-    with pytest.raises(ValueError, match="'a' already exists"):
-        tracker.add("a", 2)
-    with pytest.raises(ValueError, match="seed 1 for 'b' is already used by 'a'"):
-        tracker.add("b", 1)
-    with pytest.raises(KeyError, match="no stream named 'zz'"):
-        with tracker.fork("zz"):
-            pass
-    outer = torch.get_rng_state()
-    with tracker.fork("a"):
-        first = torch.rand(3)
-        with pytest.raises(RuntimeError, match="already forked"):
-            with tracker.fork("a"):
-                pass
-    assert torch.equal(torch.get_rng_state(), outer)
-    assert torch.equal(first, torch.rand(3, generator=torch.Generator().manual_seed(1)))
-    saved = tracker.get_states()
-    with tracker.fork("a"):
-        second = torch.rand(3)
-    tracker.set_states(saved)
-    with tracker.fork("a"):
-        assert torch.equal(torch.rand(3), second)
-    assert not torch.equal(first, second)
-
-
 # ------------------------------------------------------------------ policy options
 
 
@@ -461,76 +371,3 @@ def test_kwargs_nested_tuple_and_dict_arguments():
                                          policy=CheckpointPolicy(buffers=ContiguousBuffers(1))).sum(),
                               [a, b, w])
     assert_all_equal(list(ref), list(got))
-
-
-# ------------------------------------------------------------------ memory by storage accounting
-
-
-def live_bytes_between_forward_and_backward(blocks, x, policy, ckpt):
-    """Bytes made during forward and still reachable before backward (loss kept, output dropped).
-
-    gc.collect() before each reading: we account for what is held, not for cyclic garbage
-    the collector has not reached yet; after backward, what stays held (``_settled_live_bytes``).
-    """
-    torch.manual_seed(1)
-    with StorageTracker() as tracker:
-        h = x * 1.0
-        for block in blocks:
-            h = checkpoint(block, h, policy=policy) if ckpt else block(h)
-        loss = h.sum()
-        del h
-    gc.collect()
-    live = tracker.live_bytes()
-    loss.backward()
-    return live, _settled_live_bytes(tracker, at_most=64)
-
-
-def _settled_live_bytes(tracker, at_most: int, within_s: float = 2.0) -> int:
-    """Live bytes after a collection, read again for up to ``within_s`` while above ``at_most``:
-    a collective waited for in backward may be released by its gloo thread a moment later, so
-    only what stays held is counted (a leak stays and is returned)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        gc.collect()
-        live = tracker.live_bytes()
-        if live <= at_most or time.monotonic() > deadline:
-            return live
-        time.sleep(0.01)
-
-
-def test_memory_twelve_blocks_keep_only_inputs():
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(MLP(dim=32, hidden=128) for _ in range(12))
-    x = torch.randn(4, 16, 32, requires_grad=True)
-    input_bytes = x.numel() * 4
-    full, _ = live_bytes_between_forward_and_backward(blocks, x, None, ckpt=False)
-    ckpt, after = live_bytes_between_forward_and_backward(blocks, x, None, ckpt=True)
-    assert 12 * input_bytes <= ckpt <= 12 * input_bytes + 64  # + the 4-byte loss
-    assert full >= 8 * 12 * input_bytes  # fc1 out, gelu out, 2 masks, dropout out, ... per block
-    assert ckpt / full < 0.125
-    assert after <= 64  # backward freed every stashed input
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 2))
-def test_differing_ranks_property(world, tensors, bad_rank_seed):
-    gathered = torch.zeros(world, tensors, 2, dtype=torch.int64)
-    assert differing_ranks(gathered) == {}
-    if world > 1:
-        bad = 1 + bad_rank_seed % (world - 1)
-        gathered[bad, tensors - 1, 1] = 7
-        assert differing_ranks(gathered) == {tensors - 1: [bad]}
-        msg = replica_error([f"args[{i}]" for i in range(tensors)], differing_ranks(gathered),
-                            list(range(world)))
-        assert f"args[{tensors - 1}]: group ranks [{bad}] differ from group rank 0" in msg
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.integers(1, 40), st.integers(0, 10_000), st.sampled_from([torch.float32, torch.bfloat16]))
-def test_checksum_detects_any_single_change(n, where, dtype):
-    t = torch.randn(n).to(dtype)
-    u = t.clone()
-    i = where % n
-    u[i] = -u[i] if u[i] != 0 else 1.0
-    assert torch.equal(checksum(t), checksum(t.clone()))
-    assert not torch.equal(checksum(t), checksum(u))

@@ -4,6 +4,7 @@ Every rank builds the same model and inputs from the same seed (partitioning ass
 activations are replicated across the group), so each rank's checkpointed grads must be
 bitwise equal to its own grads without checkpointing. Activation sizes (55, 35, 3, 10
 elements) are uneven over 2, 3 and 4 ranks, and 3 < 4 leaves a rank with padding only.
+The replica check's checksum and rank comparison are property-tested at the end.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from hypothesis import given, settings, strategies as st
 
 from harness import run
 from parts.checkpoint import CheckpointPolicy, ContiguousBuffers, checkpoint, seed_model_parallel
+from parts.checkpoint.replicas import checksum, differing_ranks, replica_error
 from parts.partition import ShardLayout
-from test_checkpoint import CASES, MLP, assert_all_equal, case_grads, \
-    live_bytes_between_forward_and_backward
+from test_checkpoint import CASES, MLP, assert_all_equal, case_grads
+from test_checkpoint_memory import live_bytes_between_forward_and_backward
 from test_checkpoint import _one_thread  # noqa: F401 - the same autouse fixture here
 
 
@@ -133,3 +136,28 @@ def test_seed_model_parallel_and_partition_over_subgroups():
     for ref, got in [(r0, g0), (r1, g1), (r2, g2), (r3, g3)]:
         assert_all_equal(ref, got)
     assert not torch.equal(r0[0], r2[0])  # the two replicas really had different data
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 2))
+def test_differing_ranks_property(world, tensors, bad_rank_seed):
+    gathered = torch.zeros(world, tensors, 2, dtype=torch.int64)
+    assert differing_ranks(gathered) == {}
+    if world > 1:
+        bad = 1 + bad_rank_seed % (world - 1)
+        gathered[bad, tensors - 1, 1] = 7
+        assert differing_ranks(gathered) == {tensors - 1: [bad]}
+        msg = replica_error([f"args[{i}]" for i in range(tensors)], differing_ranks(gathered),
+                            list(range(world)))
+        assert f"args[{tensors - 1}]: group ranks [{bad}] differ from group rank 0" in msg
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 10_000), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_checksum_detects_any_single_change(n, where, dtype):
+    t = torch.randn(n).to(dtype)
+    u = t.clone()
+    i = where % n
+    u[i] = -u[i] if u[i] != 0 else 1.0
+    assert torch.equal(checksum(t), checksum(t.clone()))
+    assert not torch.equal(checksum(t), checksum(u))
