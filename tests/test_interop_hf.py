@@ -165,3 +165,25 @@ def _resize_pretrained_case(folder: str) -> list:
 def test_resize_after_from_pretrained_inside_partitioned(tmp_path):
     # the model transformers built on meta under partitioned() gets the sharded resize too
     assert run(2, _resize_pretrained_case, str(tmp_path)) == [[], []]
+
+
+def _resize_on_disk_case(directory: str) -> str:
+    import torch.distributed as dist
+    from parts.offload import DiskStore
+    from parts.partition import partitioned
+    store = DiskStore(f"{directory}/rank{dist.get_rank()}")
+    try:
+        with partitioned(remote_device=store):
+            model = transformers.GPT2LMHeadModel(_config())
+        with pytest.raises(NotImplementedError) as err:
+            model.resize_token_embeddings(100)
+        return str(err.value)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_resize_with_shards_on_disk_is_refused_on_every_rank(world, tmp_path):
+    for message in run(world, _resize_on_disk_case, str(tmp_path)):
+        assert "resize_token_embeddings" in message and "has its shard on disk" in message
+        assert "wte.weight" in message and "load_full_state_dict" in message

@@ -259,3 +259,11 @@ def test_nonfinite_grad_on_one_tp_rank_skips_the_step_on_the_whole_grid() -> Non
     for norm, _, skipped, after, _, _ in out:
         assert math.isinf(norm) and skipped == 1
         assert all(torch.equal(v, torch.zeros_like(v)) for v in after.values())
+
+
+def test_add_param_group_after_construction_is_refused() -> None:
+    model = two_layers(torch.bfloat16)
+    opt = sgd(model[0].parameters())
+    with pytest.raises(NotImplementedError, match=r"BF16Optimizer cannot add param groups after construction"):
+        opt.add_param_group({"params": list(model[1].parameters())})
+    assert len(opt.param_groups) == 1
