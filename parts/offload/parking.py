@@ -59,6 +59,7 @@ class Parked:
     consumed: Optional[Callable[[], dict[float, torch.Tensor]]] = field(default=None, repr=False)
     label: str = ""  # what errors call it: the parameter a shard belongs to, else its key
     keep: Optional[Callable[[], bool]] = field(default=None, repr=False)  # True: ``release`` keeps it loaded
+    wanted: bool = False  # read ahead for a later use too: the next ``release`` keeps the bytes (``want``)
 
     @property
     def grad_key(self) -> str:
@@ -195,18 +196,27 @@ def drop(t: torch.Tensor) -> None:
         load(t)
     _wait_save(record)
     record.store.reuse.give(t.untyped_storage())
-    record.resident = False
+    record.resident = record.wanted = False
 
 
 def release(t: torch.Tensor) -> None:
     """``drop`` ``t`` unless a read of it is in flight (someone prefetched it since it was loaded:
-    the bytes are theirs to use), someone ``hold``s it, or its ``keep`` says a step will soon use
-    the bytes; waits its write in flight either way."""
+    the bytes are theirs to use), someone ``hold``s it, it is ``want``ed by a later use, or its
+    ``keep`` says a step will soon use the bytes; waits its write in flight either way."""
     record = parked(t)
-    if record.pending is None and record.holds == 0 and not (record.keep is not None and record.keep()):
+    wanted, record.wanted = record.wanted, False
+    if record.pending is None and record.holds == 0 and not wanted \
+            and not (record.keep is not None and record.keep()):
         drop(t)
     else:
         _wait_save(record)
+
+
+def want(t: torch.Tensor) -> None:
+    """Keep ``t``'s bytes through its next ``release``: a reader ahead knows they serve a use after
+    the next one too (the last forward layers' shards, used again first in backward), which
+    would otherwise read them again right after dropping them."""
+    parked(t).wanted = True
 
 
 def hold(t: torch.Tensor) -> None:

@@ -205,14 +205,19 @@ def rewrite(shard: torch.Tensor) -> Iterator[None]:
 
 def read_ahead(recs: Any, plan: Any, position: int, window: int, gathered: Any) -> int:
     """Start disk reads of parked shards used after ``position`` within ``window`` elements,
-    skipping params ``gathered(pid)`` says are present; returns the reads started."""
-    started, seen = 0, 0
+    skipping params ``gathered(pid)`` says are present; a shard used twice in the window stays
+    loaded from the first use to the second (``parking.want``); returns the reads started."""
+    started, seen, uses = 0, 0, set()
     for k in range(position + 1, len(plan.sets)):
         for pid in plan.sets[k]:
             shard = recs[pid].shard
             record = parking.parked(shard)
-            if record is not None and not record.resident and record.pending is None \
-                    and not gathered(pid):
+            if record is None:
+                continue
+            if pid in uses:
+                parking.want(shard)
+            uses.add(pid)
+            if not record.resident and record.pending is None and not gathered(pid):
                 parking.prefetch(shard, urgent=True)  # an all-gather, then compute, waits for it
                 started += 1
         seen += plan.prefix[k + 1] - plan.prefix[k]
