@@ -253,8 +253,16 @@ def main() -> None:
 
 
 def _run_system(system: str, args: argparse.Namespace, results, write_rate: float, read_rate: float) -> dict:
-    """One run of ``system`` in ``--world-size`` processes; prints its line and returns its result."""
-    mp.spawn(_worker, args=(args.world_size, _free_port(), system, args, results), nprocs=args.world_size)
+    """One run of ``system`` in ``--world-size`` processes; prints its line and returns its result
+    (a rank that dies after the measured steps were reported, in the system's teardown, is said
+    and its result kept; one that dies before fails the run)."""
+    results.pop(system, None)
+    try:
+        mp.spawn(_worker, args=(args.world_size, _free_port(), system, args, results), nprocs=args.world_size)
+    except mp.ProcessExitedException as e:
+        if system not in results:
+            raise
+        print(f"{system}: a rank exited after reporting its steps ({e}); its result is kept", flush=True)
     r = dict(results[system])
     print(f"{system}: step {r['step']:.2f} s, built in {r['built']:.1f} s, peak RSS per rank "
           + ", ".join(f"{p / MiB:.0f}" for p, *_ in r["ranks"]) + " MiB, read / written per step per rank "
