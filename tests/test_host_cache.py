@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from parts.csrc import host_cache, native
 from parts.offload import DiskStore
-from parts.offload.plan import HOST_CACHE_FRACTION, split_budget
+from parts.offload.plan import split_budget
 
 MiB = 1 << 20
 
@@ -71,7 +71,7 @@ def test_a_lower_capacity_drops_kept_blocks_and_an_open_store_sets_it(tmp_path):
     with pytest.raises(ValueError, match="capacity"):
         host_cache.install(-1)
     store = DiskStore(str(tmp_path), memory_budget=256 * MiB)
-    assert host_cache.stats().capacity == store.budget.host_cache_bytes == 32 * MiB
+    assert host_cache.stats().capacity == store.budget.host_cache_bytes == 256 * MiB
     store.close()
     assert host_cache.stats().capacity == 0  # no store open: nothing kept
     assert host_cache.install(capacity)
@@ -95,5 +95,5 @@ def test_blocks_in_use_hold_their_values_and_the_bounds_hold(ops):
 
 
 @given(budget=st.integers(1 << 22, 1 << 40))
-def test_a_budget_gives_the_host_cache_its_fraction(budget):
-    assert split_budget(budget, 4, 8 << 20).host_cache_bytes == budget // HOST_CACHE_FRACTION
+def test_a_budget_gives_the_host_cache_the_whole_budget_as_its_capacity(budget):
+    assert split_budget(budget, 4, 8 << 20).host_cache_bytes == budget

@@ -20,6 +20,7 @@ from parts.offload import DiskStore, OffloadedOptimizer, _fileio, parking
 from parts.offload.backward_step import BackwardStep
 from parts.optim import BF16Optimizer
 from parts.partition import attach, detach, full_state_dict, shards
+from parts.partition.core import disk
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -184,6 +185,56 @@ def test_last_forward_shards_stay_loaded_into_backward(tmp_path, world):
         assert w["same"] and d["same"]
         pairs = list(zip(w["reads"], d["reads"]))
         assert all(a <= b for a, b in pairs) and any(a < b for a, b in pairs), pairs
+
+
+def body_loaded_after_forward(tmp, marks_ignore_reuse):
+    """Shard bytes left loaded at the end of each forward of plain offloaded training in which
+    parameters stay gathered between uses (``max_reuse_distance``): the tied embedding, used
+    first and last in forward, is gathered once and kept; and whether losses match in memory."""
+    real = disk.read_ahead
+    if marks_ignore_reuse:  # mark every shard used twice in the window, kept gathered or not
+        disk.read_ahead = lambda *args, max_reuse_distance=0: real(*args, max_reuse_distance=0)
+    try:
+        return _loaded_after_forward(tmp)
+    finally:  # the workers outlive the test
+        disk.read_ahead = real
+
+
+def _loaded_after_forward(tmp):
+    rank = dist.get_rank()
+    knobs = dict(KNOBS, prefetch_bucket_size=100_000, max_live_parameters=200_000, max_reuse_distance=10**9)
+    ref, store = _build(None), DiskStore(f"{tmp}/r{rank}", block_bytes=4096)
+    off = _build(store)
+    attach(ref, **knobs), attach(off, **knobs)
+    ref_opt = torch.optim.AdamW(shards(ref), lr=1e-2)
+    off_opt = OffloadedOptimizer(torch.optim.AdamW(shards(off), lr=1e-2), store, chunk_bytes=20_000)
+    loaded, same = [], True
+    for step in range(4):  # each loss after the first checks the step before
+        losses = [model(*batch(step, 4, 8 * rank)) for model in (ref, off)]
+        loaded.append(sum(p.numel() * p.element_size() for p in shards(off)
+                          if parking.parked(p) is not None and parking.parked(p).resident))
+        same &= torch.equal(losses[0], losses[1])
+        for loss, opt in zip(losses, (ref_opt, off_opt)):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    detach(ref), detach(off)
+    store.close()
+    return dict(loaded=loaded, same=same)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_shard_kept_gathered_between_its_uses_is_not_kept_loaded(tmp_path, world):
+    """A shard used twice within the read-ahead window stays loaded between the uses only if its
+    parameter is released between them: one kept gathered (within ``max_reuse_distance``) is
+    not all-gathered again, so loaded bytes would only sit there. With the marks ignoring reuse,
+    the tied embedding's shard stays loaded to the end of forward; bitwise the in-memory run."""
+    fixed = run(world, body_loaded_after_forward, str(tmp_path / "fixed"), False)
+    stale = run(world, body_loaded_after_forward, str(tmp_path / "stale"), True)
+    for f, s in zip(fixed, stale):
+        assert f["same"] and s["same"]
+        pairs = list(zip(f["loaded"], s["loaded"]))[1:]  # the first step records the trace
+        assert all(a < b for a, b in pairs), pairs
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adagrad"])

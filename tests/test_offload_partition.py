@@ -50,7 +50,7 @@ def body_equivalence(tmp, remote_kind):
     assert all(p.untyped_storage().nbytes() == 0 for p in shards(off))
     started = []
     real = disk.read_ahead
-    disk.read_ahead = lambda *a: started.append(real(*a)) or started[-1]
+    disk.read_ahead = lambda *a, **k: started.append(real(*a, **k)) or started[-1]
     try:
         attach(ref, **KNOBS), attach(off, **KNOBS)
         ref_opt = torch.optim.AdamW(shards(ref), lr=1e-2)

@@ -29,8 +29,9 @@ Memory bound (bytes one rank holds above its baseline during an offloaded ZeRO-3
 point: the model's states (16 bytes per parameter with AdamW in fp32) live on disk. It holds
 for the process's RSS because the store fixes glibc's mmap threshold (``_heap``): freed
 buffers of 1-32 MiB would otherwise stay in the heap, and RSS would grow with the model. The
-host cache (``host_cache_bytes``) adds no term: the freed blocks it keeps for reuse, with the
-large blocks in use, stay within the most large bytes the process had in use at once.
+host cache (``host_cache_bytes``: up to the whole budget) adds no term: the freed blocks it
+keeps for reuse, with the large blocks in use, stay within the most large bytes the process had
+in use at once.
 Measured (``benchmarks/bench_offload_memory.py``, widths 512-8192): the peak stays below the
 bound, and grows by a small fraction of the in-memory run's per added layer.
 
@@ -100,7 +101,6 @@ SHARES = dict(chunk=1 / 6, max_inflight=1 / 8, live=1 / 12, reduce=1 / 32, reuse
 DEFAULT_FRACTION = 16  # a default budget is 1/16 of the available memory per local rank
 BUDGET_GRAIN = 1 << 30  # the available memory a default budget shares, rounded down to whole GiB
 MIN_DEFAULT_BUDGET, MAX_DEFAULT_BUDGET = 512 << 20, 16 << 30
-HOST_CACHE_FRACTION = 8  # the host cache keeps at most an eighth of the budget in freed blocks
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class BudgetSplit:
     reason: str = "given"
     given: bool = True  # the user's budget (a parameter it cannot hold is an error), or a default
     bounce_bytes: int = 0  # the IO threads' bounce buffers, taken off the top
-    host_cache_bytes: int = 0  # freed compute blocks kept for reuse (``parts.csrc.host_cache``)
+    host_cache_bytes: int = 0  # at most this of freed compute blocks kept for reuse (``parts.csrc.host_cache``)
 
     def attach_knobs(self, itemsize: int) -> dict[str, int]:
         """``attach()`` sizes (elements of ``itemsize`` bytes): a third of the live budget
@@ -138,7 +138,7 @@ def split_budget(memory_budget: int, threads: int, block_bytes: int, align: int 
     share = {name: int(rest * f) for name, f in SHARES.items()}
     return BudgetSplit(memory_budget, block, share["max_inflight"], share["reuse"], share["chunk"],
                        share["live"], share["reduce"], reason, given, threads * block,
-                       memory_budget // HOST_CACHE_FRACTION)
+                       memory_budget)
 
 
 def min_budget(step_bytes: int, threads: int, block_bytes: int, align: int = 4096) -> int:

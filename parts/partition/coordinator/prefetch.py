@@ -73,7 +73,8 @@ class Prefetcher:
             return
         if self.table.any_parked:  # shards on disk: their reads run ahead of the gathers (disk.py)
             disk.read_ahead(self.table.records, step.plan, step.position,
-                            disk.READ_AHEAD_FACTOR * self.knobs.prefetch_bucket_size, self.live.resident)
+                            disk.READ_AHEAD_FACTOR * self.knobs.prefetch_bucket_size, self.live.resident,
+                            max_reuse_distance=self.knobs.max_reuse_distance)
         if step.horizon == len(step.plan) and not step.recheck:
             return  # the whole rest of the trace is covered already
         again = self._recheck(step)

@@ -203,20 +203,29 @@ def rewrite(shard: torch.Tensor) -> Iterator[None]:
     parking.drop(shard)
 
 
-def read_ahead(recs: Any, plan: Any, position: int, window: int, gathered: Any) -> int:
+def read_ahead(recs: Any, plan: Any, position: int, window: int, gathered: Any, *,
+               max_reuse_distance: int) -> int:
     """Start disk reads of parked shards used after ``position`` within ``window`` elements,
-    skipping params ``gathered(pid)`` says are present; a shard used twice in the window stays
-    loaded from the first use to the second (``parking.want``); returns the reads started."""
-    started, seen, uses = 0, 0, set()
+    skipping params ``gathered(pid)`` says are present; returns the reads started. A shard used
+    twice in the window stays loaded from the first use to the second (``parking.want``) if the
+    first use all-gathers it and the parameter is released between the two, as the coordinator
+    does when the uses are at least ``max_reuse_distance`` elements of other fetches apart: a
+    parameter kept gathered is not all-gathered again, and its shard would just stay loaded."""
+    started, seen, last, loads = 0, 0, {}, {}  # pid -> its last use so far, and whether it all-gathers
     for k in range(position + 1, len(plan.sets)):
         for pid in plan.sets[k]:
             shard = recs[pid].shard
             record = parking.parked(shard)
             if record is None:
                 continue
-            if pid in uses:
-                parking.want(shard)
-            uses.add(pid)
+            if pid in last:
+                released = plan.prefix[k] - plan.prefix[last[pid] + 1] >= max_reuse_distance
+                if loads[pid] and released:
+                    parking.want(shard)
+                loads[pid] = released
+            else:
+                loads[pid] = not gathered(pid)
+            last[pid] = k
             if not record.resident and record.pending is None and not gathered(pid):
                 parking.prefetch(shard, urgent=True)  # an all-gather, then compute, waits for it
                 started += 1
