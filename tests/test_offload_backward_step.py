@@ -5,6 +5,7 @@ the context, do); reads started ahead along the last landing order are used or d
 writer shows no buffer is freed or reused while its write is in flight.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -147,15 +148,24 @@ def test_step_in_backward_reuses_the_backward_gathers_bytes(tmp_path, world):
         assert max(k["last_step_reads"].values()) <= 3 and thrice[0] < thrice[1], thrice
 
 
+@contextlib.contextmanager
+def _replaced(owner, name, replacement):
+    """``owner.<name>`` is ``replacement`` inside (None: unchanged); restored after, since the
+    harness workers outlive the test."""
+    real = getattr(owner, name)
+    if replacement is not None:
+        setattr(owner, name, replacement(real))
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
 def body_boundary_reads(tmp, want):
     """Shard reads per key in a steady step of plain offloaded training (the last step of four)."""
-    real_want = parking.want
-    if not want:  # the last forward layers' shards are dropped after their gathers and read again
-        parking.want = lambda t: None
-    try:
+    # without want, the last forward layers' shards are dropped after their gathers and read again
+    with _replaced(parking, "want", None if want else lambda real: lambda t: None):
         return _boundary_reads(tmp)
-    finally:  # the workers outlive the test
-        parking.want = real_want
 
 
 def _boundary_reads(tmp):
@@ -191,13 +201,11 @@ def body_loaded_after_forward(tmp, marks_ignore_reuse):
     """Shard bytes left loaded at the end of each forward of plain offloaded training in which
     parameters stay gathered between uses (``max_reuse_distance``): the tied embedding, used
     first and last in forward, is gathered once and kept; and whether losses match in memory."""
-    real = disk.read_ahead
-    if marks_ignore_reuse:  # mark every shard used twice in the window, kept gathered or not
-        disk.read_ahead = lambda *args, max_reuse_distance=0: real(*args, max_reuse_distance=0)
-    try:
+    def ignoring_reuse(real):  # marks every shard used twice in the window, kept gathered or not
+        return lambda *args, max_reuse_distance=0: real(*args, max_reuse_distance=0)
+
+    with _replaced(disk, "read_ahead", ignoring_reuse if marks_ignore_reuse else None):
         return _loaded_after_forward(tmp)
-    finally:  # the workers outlive the test
-        disk.read_ahead = real
 
 
 def _loaded_after_forward(tmp):
