@@ -60,14 +60,23 @@ def _shard_reads(store, opt, counted):
     store.read, opt.step = read, step
 
 
-def body_equivalence(tmp, kind, slow, knobs=KNOBS, keep=True):
-    real_keeps = BackwardStep.keeps
-    if not keep:  # shards loaded for backward's all-gathers are dropped, and read again for their steps
-        BackwardStep.keeps = lambda self, i: False
+@contextlib.contextmanager
+def _replaced(owner, name, replacement):
+    """``owner.<name>`` is ``replacement`` inside (None: unchanged); restored after, since the
+    harness workers outlive the test."""
+    real = getattr(owner, name)
+    if replacement is not None:
+        setattr(owner, name, replacement(real))
     try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def body_equivalence(tmp, kind, slow, knobs=KNOBS, keep=True):
+    # without keep, shards loaded for backward's all-gathers are dropped, and read again for their steps
+    with _replaced(BackwardStep, "keeps", None if keep else lambda real: lambda self, i: False):
         return _equivalence(tmp, kind, slow, knobs)
-    finally:  # the workers outlive the test
-        BackwardStep.keeps = real_keeps
 
 
 def _equivalence(tmp, kind, slow, knobs):
@@ -146,19 +155,6 @@ def test_step_in_backward_reuses_the_backward_gathers_bytes(tmp_path, world):
     for k, d in zip(kept, dropped):
         thrice = [sum(n == 3 for n in out["last_step_reads"].values()) for out in (k, d)]
         assert max(k["last_step_reads"].values()) <= 3 and thrice[0] < thrice[1], thrice
-
-
-@contextlib.contextmanager
-def _replaced(owner, name, replacement):
-    """``owner.<name>`` is ``replacement`` inside (None: unchanged); restored after, since the
-    harness workers outlive the test."""
-    real = getattr(owner, name)
-    if replacement is not None:
-        setattr(owner, name, replacement(real))
-    try:
-        yield
-    finally:
-        setattr(owner, name, real)
 
 
 def body_boundary_reads(tmp, want):

@@ -218,15 +218,16 @@ def read_ahead(recs: Any, plan: Any, position: int, window: int, gathered: Any, 
             record = parking.parked(shard)
             if record is None:
                 continue
+            present = gathered(pid)
             if pid in last:
                 released = plan.prefix[k] - plan.prefix[last[pid] + 1] >= max_reuse_distance
                 if loads[pid] and released:
                     parking.want(shard)
                 loads[pid] = released
             else:
-                loads[pid] = not gathered(pid)
+                loads[pid] = not present
             last[pid] = k
-            if not record.resident and record.pending is None and not gathered(pid):
+            if not record.resident and record.pending is None and not present:
                 parking.prefetch(shard, urgent=True)  # an all-gather, then compute, waits for it
                 started += 1
         seen += plan.prefix[k + 1] - plan.prefix[k]
