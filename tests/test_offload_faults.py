@@ -4,6 +4,7 @@ import contextlib
 import errno
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,31 @@ def test_killed_rank_leaves_the_checkpoint_loadable(tmp_path, in_backward):
     with pytest.raises(RankFailure, match="rank 1 of 2 died"):
         run(2, body_killed, str(tmp_path), in_backward, timeout=60)
     _compare(tmp_path, run(2, body_reference, str(tmp_path / "ref")), 2)
+
+
+def body_store_file_lost(tmp, fault, in_backward):
+    """Step 0, checkpoint, then one of rank 1's store files is truncated or deleted before step 1."""
+    rank, store, model, opt = _setup(tmp, on_disk=True)
+    _step(model, opt, 0, rank, in_backward)
+    _checkpoint(tmp, model, opt, rank)
+    dist.barrier()
+    if rank == 1:
+        files = sorted(str(f) for f in Path(store.directory).iterdir() if f.is_file())
+        victim = files[len(files) // 2]
+        if fault == "truncated":
+            os.truncate(victim, 0)
+        else:
+            os.unlink(victim)
+    _step(model, opt, 1, rank, in_backward)
+    return "finished"
+
+
+@pytest.mark.parametrize("world, fault, in_backward", [(2, "truncated", False), (2, "deleted", True),
+                                                       (3, "truncated", True), (3, "deleted", False)])
+def test_a_lost_store_file_names_file_and_key_and_the_checkpoint_loads(tmp_path, world, fault, in_backward):
+    with pytest.raises(RankFailure) as failure:
+        run(world, body_store_file_lost, str(tmp_path), fault, in_backward, timeout=60)
+    message = str(failure.value)
+    assert "rank 1 of" in message and f"the store file was {fault}" in message, message
+    assert "parts-store-" in message and "cannot be read" in message and "key '" in message, message
+    _compare(tmp_path, run(world, body_reference, str(tmp_path / "ref")), world)

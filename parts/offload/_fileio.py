@@ -99,10 +99,15 @@ def probe_direct(directory: str) -> bool:
         os.unlink(path)
 
 
-def open_file(path: str, direct: bool) -> int:
-    """Open (create) ``path`` for positional reads and writes, with ``O_DIRECT`` if ``direct``."""
-    flags = os.O_RDWR | os.O_CREAT | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    return os.open(path, flags, 0o600)
+def open_file(path: str, direct: bool, create: bool = True) -> int:
+    """Open ``path`` for positional reads and writes, with ``O_DIRECT`` if ``direct``; created if
+    ``create``, else a missing file is an error saying the store file was deleted."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0) | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(e.errno, f"parts.offload: {path} is missing; the store file was "
+                                         f"deleted") from e
 
 
 def _full(path: str, nbytes: int, cause: BaseException) -> DiskFullError:

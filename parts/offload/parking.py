@@ -182,8 +182,10 @@ def load(t: torch.Tensor) -> None:
         pending, record.pending = record.pending, None
         try:
             pending.wait()
-        except BaseException:
+        except BaseException as e:
             record.store.reuse.give(t.untyped_storage())
+            if isinstance(e, OSError) and e.errno is not None:
+                raise OSError(e.errno, f"parameter {record.label!r} cannot be loaded: {e.strerror}") from e
             raise
         record.resident = True
 

@@ -84,6 +84,16 @@ class _Entry:
     last: Optional[Op] = field(default=None, repr=False)
 
 
+def _named(error: BaseException, key: str, writing: bool) -> BaseException:
+    """A read's ``OSError`` with the store key it was reading in its message (writes name their
+    file and bytes already)."""
+    if writing or type(error) not in (OSError, FileNotFoundError) or error.errno is None:
+        return error
+    named = type(error)(error.errno, f"DiskStore: key {key!r} cannot be read: {error.strerror}")
+    named.__cause__ = error
+    return named
+
+
 def _remove_dir(directory: str, pid: int, queue: IOQueue) -> None:
     if os.getpid() == pid:  # a forked child does not own its parent's scratch files
         queue.stop()
@@ -339,13 +349,13 @@ class DiskStore:
             if op.error is None:
                 self._transfer(path, piece, offset, writing)
         except BaseException as e:  # handed to the waiter, never lost
-            op.error = op.error or e
+            op.error = op.error or _named(e, op.key, writing)
         del piece
         self._finish(op, writing, start)
 
     def _transfer(self, path: str, piece: torch.Tensor, offset: int, writing: bool) -> None:
         scratch = self._scratch if self.direct else None
-        fd = _fileio.open_file(path, self.direct)
+        fd = _fileio.open_file(path, self.direct, create=writing)
         try:
             bounced = (_fileio.write_bytes if writing else _fileio.read_bytes)(fd, path, piece, offset, scratch)
         finally:
