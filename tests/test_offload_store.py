@@ -165,6 +165,20 @@ def test_failing_writer(store, monkeypatch, mode):
     store.flush()  # both errors were seen by their waiters
 
 
+def test_a_failing_read_names_the_key_and_the_file(store, monkeypatch):
+    """An unreadable store file (EACCES from the device): the read's error keeps its kind and
+    names the key and the file."""
+    store.write("k", torch.randn(3000)).wait()
+
+    def unreadable(fd, bufs, offset):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(_fileio.OPS, "preadv", unreadable)
+    with pytest.raises(PermissionError, match=r"key 'k' cannot be read: parts.offload: .*parts-store-.*\.bin: "
+                                              r"Permission denied"):
+        store.read("k", torch.empty(3000)).wait()
+
+
 _CHILD = textwrap.dedent("""
     import resource, signal, sys, torch
     from parts.offload import DiskStore, DiskFullError

@@ -145,7 +145,9 @@ def _loop(call: Callable, fd: int, buf: torch.Tensor, length: int, offset: int, 
         except OSError as e:
             if writing and e.errno in _FULL:
                 raise _full(path, length - done, e) from e
-            raise
+            if e.errno is None:
+                raise
+            raise OSError(e.errno, f"parts.offload: {path}: {e.strerror}") from e
         if n <= 0:
             if writing:
                 raise _full(path, length - done, OSError(errno.ENOSPC, "write made no progress"))

@@ -87,9 +87,9 @@ class _Entry:
 def _named(error: BaseException, key: str, writing: bool) -> BaseException:
     """A read's ``OSError`` with the store key it was reading in its message (writes name their
     file and bytes already)."""
-    if writing or type(error) not in (OSError, FileNotFoundError) or error.errno is None:
+    if writing or not isinstance(error, OSError) or isinstance(error, DiskFullError) or error.errno is None:
         return error
-    named = type(error)(error.errno, f"DiskStore: key {key!r} cannot be read: {error.strerror}")
+    named = OSError(error.errno, f"DiskStore: key {key!r} cannot be read: {error.strerror}")  # its subclass
     named.__cause__ = error
     return named
 
