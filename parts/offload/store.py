@@ -89,7 +89,8 @@ def _named(error: BaseException, key: str, writing: bool) -> BaseException:
     file and bytes already)."""
     if writing or not isinstance(error, OSError) or isinstance(error, DiskFullError) or error.errno is None:
         return error
-    named = OSError(error.errno, f"DiskStore: key {key!r} cannot be read: {error.strerror}")  # its subclass
+    # OSError(errno, ...) builds the errno's subclass (FileNotFoundError, PermissionError, ...)
+    named = OSError(error.errno, f"DiskStore: key {key!r} cannot be read: {error.strerror}")
     named.__cause__ = error
     return named
 
