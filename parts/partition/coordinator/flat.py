@@ -39,7 +39,7 @@ from parts.partition.core import disk
 from parts.partition.core.compression import compressed_grads, gather_wire_bytes, reduce_compressed, weight_codec
 from parts.partition.core.grad_guard import as_grad_shard, internal, raw_grad
 from parts.partition.core.grad_guard import set_raw_grad as _set_grad
-from parts.partition.core.grads import accumulate_into
+from parts.partition.core.grads import accumulate_into, grad_dtype
 from parts.partition.core.replicas import mark_pending
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, memory_versions, wanted_dtype,
                                         watch_shards)
@@ -186,7 +186,8 @@ class FlatReduce:
 
     def __init__(self, flat: FlatGather, reduce_dtype: torch.dtype) -> None:
         self.flat = flat
-        self.reduce_dtype = reduce_dtype
+        shard_dtype = flat.records[0].shard.dtype if flat.records else reduce_dtype
+        self.reduce_dtype = grad_dtype(shard_dtype, reduce_dtype)  # float64 shards: float64 grads
         self._flags: Optional[tuple] = None
         self._grads: list[torch.Tensor] = []
         self.params: list[nn.Parameter] = []  # the members (requiring grad) and what follows of them

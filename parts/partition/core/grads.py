@@ -1,7 +1,8 @@
 """Full gradients to gradient shards (one group of reduce-scatters), and ``shards``.
 
 ``reduce_scatter_grads`` reduce-scatters (sum) every full ``p.grad`` in ``dtype`` (fp32 by
-default, whatever the param dtype): the sums run in ``dtype``. A grad that ``dtype`` holds
+default), or in the parameter's own dtype where that is wider (float64 parameters sum and keep
+float64 grad shards: ``grad_dtype``): the sums run in that dtype. A grad that ``dtype`` holds
 exactly (bf16 grads of a ``MixedPrecision`` gather, fp32 sums) is sent in its own dtype and
 cast up chunk by chunk as the collective adds it (on gloo it also travels as bf16: half the
 bytes, no full-size fp32 copy of it; ``parts.comm.gloo``); any other is cast to ``dtype``
@@ -17,7 +18,7 @@ disagree.
 and device it *is* ``shard.grad``, so ``torch.optim.AdamW(shards(model))`` steps the
 shards, and ``optimizer.zero_grad()`` clears the grad shards. bf16 shards with fp32 grad
 shards cannot carry them as ``.grad`` (torch requires equal dtypes): ``shards`` raises
-for shards that are not fp32 and names ``BF16Optimizer`` (fp32 master weights).
+for shards that are neither fp32 nor float64 and names ``BF16Optimizer`` (fp32 master weights).
 """
 
 from __future__ import annotations
@@ -34,7 +35,15 @@ from parts.partition.core.compression import compressed_grads, reduce_compressed
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 from parts.partition.core.replicas import before_landing
 
-_FULL_PRECISION = (torch.float32,)
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def grad_dtype(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a parameter's grads are summed and kept in: ``reduce_dtype``, or the parameter's
+    floating dtype where that is wider than fp32 (float64 grads are never rounded to fp32)."""
+    if param_dtype.is_floating_point and param_dtype.itemsize > 4:
+        return torch.promote_types(param_dtype, reduce_dtype)
+    return reduce_dtype
 
 
 def _send_for(p: nn.Parameter, m: Any, dtype: torch.dtype, world: int) -> torch.Tensor:
@@ -97,10 +106,11 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
     info = common_info(pairs, group, "reduce_scatter_grads")
     if not pairs:
         return ReduceHandle(None, lambda: None) if async_op else None
-    sends = [_send_for(p, m, dtype, info.world_size) for p, m in pairs]
+    dtypes = [grad_dtype(m.dtype, dtype) for _, m in pairs]
+    sends = [_send_for(p, m, d, info.world_size) for (p, m), d in zip(pairs, dtypes)]
     for p, _ in pairs:
         p.grad = None
-    recvs = _receive_buffers(pairs, dtype)
+    recvs = _receive_buffers(pairs, dtypes)
     records = [m for _, m in pairs]
     if compressed_grads(records, info):  # codes with error feedback, one residual per parameter
         work = reduce_compressed(records, recvs, sends, info, [m.id for m in records], average, async_op)
@@ -118,14 +128,16 @@ def reduce_scatter_grads(params: Iterable[nn.Parameter], group: GroupArg = None,
     return ReduceHandle(work, finish)
 
 
-def _receive_buffers(pairs: list, dtype: torch.dtype) -> list[torch.Tensor]:
-    """A fresh 1-D buffer per parameter for its reduce-scattered grad; in a hybrid layout views of
-    one buffer side by side, so the cross-replica all-reduce runs on it in place (core/replicas.py)."""
-    if all(m.replica is not None and disk.parked_version(m.shard) is None and m.device == pairs[0][1].device
-           for _, m in pairs):
+def _receive_buffers(pairs: list, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """A fresh 1-D buffer per parameter for its reduce-scattered grad (in its ``dtypes`` entry);
+    in a hybrid layout views of one buffer side by side, so the cross-replica all-reduce runs on
+    it in place (core/replicas.py)."""
+    if len(set(dtypes)) == 1 and all(m.replica is not None and disk.parked_version(m.shard) is None
+                                     and m.device == pairs[0][1].device for _, m in pairs):
         sizes = [m.layout.shard_numel for _, m in pairs]
-        return list(torch.split(alloc(sum(sizes), dtype, pairs[0][1].device), sizes))
-    return [disk.grad_buffer(m.shard, m.layout.shard_numel, dtype, partial(alloc, device=m.device)) for _, m in pairs]
+        return list(torch.split(alloc(sum(sizes), dtypes[0], pairs[0][1].device), sizes))
+    return [disk.grad_buffer(m.shard, m.layout.shard_numel, d, partial(alloc, device=m.device))
+            for (_, m), d in zip(pairs, dtypes)]
 
 
 def accumulate_into(m: Any, part: torch.Tensor, accumulate: bool) -> None:
