@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from parts.base.wrapper import OptimizerWrapper
+from parts.base.wrapper import OptimizerWrapper, on_wrap
 from parts.partition.core import steps
 from parts.partition.whole.leaves import record_of_leaf
 from parts.partition.whole.paths import SHARD, WHOLE, choose
@@ -113,4 +113,16 @@ class _Router:
         return [m.shard for m in stepper.records] if stepper is not None else []
 
 
+def _settle_wrapped(optimizer: torch.optim.Optimizer, wrapper: torch.optim.Optimizer) -> None:
+    """Settle the path of an optimizer a wrapper is about to read; refuse the whole-tensor path there."""
+    if route(optimizer) == WHOLE:
+        name, outer = type(optimizer).__name__, type(wrapper).__name__
+        raise RuntimeError(f"parts.partition: {outer} wraps {name}, which needs whole tensors (its parameters are "
+                           f"stepped whole by owner ranks, with state in memory); {outer} steps flat copies or "
+                           f"chunks and would give another result. Step {name}(shards(model)) unwrapped: fp32 "
+                           f"shards are the masters, attach(model, mixed_precision=MixedPrecision()) gives bf16 "
+                           f"compute, and parts.partition.clip_grad_norm_(model, ...) clips before the step")
+
+
 steps.set_router(_Router())
+on_wrap(_settle_wrapped)

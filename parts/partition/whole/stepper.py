@@ -14,6 +14,7 @@ it one all-to-all sends each rank its shard of the updated values. The grad shar
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -51,6 +52,7 @@ class WholeStepper:
         self.tensors = [self._slot(j, m) for j, m in enumerate(self.records)]
         self.by_record = {id(m): t for m, t in zip(self.records, self.tensors)}
         self._install_zero_grad(optimizer)
+        self._optimizer = weakref.ref(optimizer)
 
     def _slot(self, j: int, m: Any) -> torch.Tensor:
         """The full tensor on the owner of parameter ``j``; an empty placeholder elsewhere."""
@@ -61,6 +63,10 @@ class WholeStepper:
     def owner_of(self, record: Any) -> int:
         """The rank that steps ``record``'s parameter."""
         return self.plan.owners[self.records.index(record)]
+
+    def owns(self, record: Any) -> bool:
+        """True if this rank steps ``record``'s parameter."""
+        return self.owner_of(record) == self.info.rank
 
     def _install_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.zero_grad()`` also clears the grad shards it no longer holds itself."""
@@ -88,6 +94,9 @@ class WholeStepper:
         recv = alloc(sum(recv_splits), self.dtype, device)
         all_to_all(recv, send, recv_splits, send_splits, self.info)
         owned = self.plan.owned(rank)
+        for j, t in enumerate(self.tensors):
+            if self.plan.owners[j] != rank:
+                t.grad = None  # a placeholder never steps (a state-making step gives every tensor a grad)
         chunks = recv.split(recv_splits)
         for k, j in enumerate(owned):
             self._assemble(j, [c.split([2 * self.plan.shard_numels[i] for i in owned])[k] for c in chunks])
@@ -104,7 +113,8 @@ class WholeStepper:
         values = torch.cat([p[:sn] for p in pieces])[:m.numel]
         grads = torch.cat([p[sn:] for p in pieces])[:m.numel]
         full.detach().copy_(values.view(m.shape))
-        full.grad = grads.view(m.shape).to(full.device).clone() if m.grad_shard is not None else None
+        if m.grad_shard is not None:  # else keep a grad set on the full tensor itself (a state-making lr-0 step)
+            full.grad = grads.view(m.shape).to(full.device).clone()
 
     @internal
     def after(self) -> None:
@@ -119,6 +129,10 @@ class WholeStepper:
             flat[:full.numel()].copy_(full.detach().reshape(-1))
             flats.append(flat.view(world, sn))
             full.grad = None
+        optimizer = self._optimizer()
+        for j, t in enumerate(self.tensors):  # a state-making step gave placeholders state: not theirs to keep
+            if self.plan.owners[j] != rank and optimizer is not None:
+                optimizer.state.pop(t, None)
         send = torch.cat([f[d] for d in range(world) for f in flats]) if flats else \
             torch.empty(0, dtype=self.dtype, device=device)
         recv = alloc(sum(recv_splits), self.dtype, device)
