@@ -120,6 +120,12 @@ def counting_backend(name: str = "inductor") -> tuple[Callable, list]:
     return backend, calls
 
 
+def alias_as(cls: type, t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """An instance of the tensor subclass ``cls`` over ``t``'s storage (a leaf sharing its data and
+    version counter): ``parts.partition``'s shape-faithful shard leaves."""
+    return torch.Tensor._make_subclass(cls, t.detach(), requires_grad)
+
+
 def storage_less_tensor(cls: type, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An instance of the tensor subclass ``cls`` with ``shape``/``dtype``/``device`` and no storage
     (``parts.comm.dcp.ShardView``: its data lives in the tensors it points to)."""

@@ -8,11 +8,22 @@ cannot run ``Optimizer.__init__``. This base holds that delegation once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from parts._compat import init_optimizer_hooks
+
+
+_settle: list[Callable[[torch.optim.Optimizer, torch.optim.Optimizer], None]] = []
+"""What ``parts.partition`` runs on an optimizer about to be wrapped (settling its path over the shards
+before the wrapper reads its param groups); process-wide like the step hooks, it configures nothing."""
+
+
+def on_wrap(fn: Callable[[torch.optim.Optimizer, torch.optim.Optimizer], None]) -> None:
+    """Call ``fn(optimizer, wrapper)`` whenever an ``OptimizerWrapper`` is built around ``optimizer``."""
+    if fn not in _settle:
+        _settle.append(fn)
 
 
 class OptimizerWrapper(torch.optim.Optimizer):
@@ -22,6 +33,8 @@ class OptimizerWrapper(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} wraps a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
+        for fn in _settle:
+            fn(optimizer, self)
         init_optimizer_hooks(self)
         self.optimizer = optimizer
 

@@ -203,6 +203,19 @@ def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:
     dist.broadcast(tensor, src=info.global_rank(src), group=info.group)
 
 
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+               info: GroupInfo) -> None:
+    """Send ``inp``'s consecutive pieces of ``in_splits`` elements to ranks 0, 1, ... and receive
+    theirs into ``out`` (pieces of ``out_splits``): one batched exchange, counted as the bytes
+    sent to the other ranks."""
+    size = inp.element_size()
+    _count("all_to_all", (sum(in_splits) - in_splits[info.rank]) * size if info.world_size > 1 else 0, info)
+    if info.world_size == 1:
+        out.copy_(inp)
+        return
+    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=info.group)
+
+
 def all_gather_list(x: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:
     """Every rank's ``x`` (same shape everywhere) as a list in rank order (``x`` itself alone)."""
     if info.world_size == 1:

@@ -47,13 +47,14 @@ from parts.partition.interop.sharded_state import load_sharded_state_dict, shard
 from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, RankDivergence, attach,
                                          detach, refresh, register_external_parameter, set_replica_sync)
 from parts.partition.coordinator.generating import generating
+from parts.partition.whole import route
 
 __all__ = [
     "ShardLayout",
     "partitioned", "partition_module", "materialize",
     "ParamMeta", "ParamStatus", "is_partitioned", "meta",
     "GatherHandle", "gather", "release", "gathered", "generating", "StoragePool",
-    "ReduceHandle", "reduce_scatter_grads", "shards", "use_shards",
+    "ReduceHandle", "reduce_scatter_grads", "shards", "use_shards", "route",
     "full_state_dict", "load_full_state_dict",
     "sharded_state_dict", "load_sharded_state_dict",
     "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict",

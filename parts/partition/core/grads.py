@@ -169,8 +169,18 @@ def use_shards(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def shaped_shard(m: Any) -> torch.Tensor:
+    """A leaf over ``m.shard`` that answers with the full shape (partition/whole/leaves.py); importing
+    the whole-tensor package also installs its router in the step hooks."""
+    from parts.partition.whole import shaped_shard as make
+    return make(m)
+
+
 def shards(module_or_params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[torch.Tensor]:
-    """The local shard tensors (leaves whose ``.grad`` is the grad shard) for a torch optimizer."""
+    """The local shard tensors (leaves whose ``.grad`` is the grad shard) for a torch optimizer; a
+    parameter of two or more dimensions gives a leaf over its shard that answers with the full shape,
+    which the optimizer's first step replaces by the shard or, for a shape-aware optimizer, by a whole
+    tensor stepped by an owner rank (parts.partition.route)."""
     params = (module_or_params.parameters() if isinstance(module_or_params, nn.Module)
               else module_or_params)
     out, seen = [], set()
@@ -188,5 +198,5 @@ def shards(module_or_params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[t
                             f"shards cannot be attached as .grad (torch needs equal dtypes), so a "
                             f"plain optimizer would silently skip them. Use parts.optim.BF16Optimizer "
                             f"(fp32 master) or step meta(p).shard with meta(p).grad_shard yourself")
-        out.append(m.shard)
+        out.append(shaped_shard(m) if len(m.shape) >= 2 else m.shard)
     return out

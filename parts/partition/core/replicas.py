@@ -38,6 +38,7 @@ from parts.comm import all_reduce, all_reduce_async, all_reduce_mean_quantized, 
 from parts.partition.core import disk
 from parts.partition.core.compression import replica_codec
 from parts.partition.core.param import ParamMeta, is_partitioned, meta
+from parts.partition.core import steps
 from parts.partition.core.steps import before_each_step
 
 BUCKET_NUMEL = 25_000_000
@@ -266,7 +267,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """Sync the pending grad shards among the tensors ``optimizer`` steps (its shards)."""
     if not _pending and not _stored:
         return
-    held = {id(t) for group in optimizer.param_groups for t in group["params"]}
+    held = {id(t) for t in steps.held_tensors(optimizer)}
     mine = [m for m in [*_pending, *_stored] if id(m.shard) in held]
     if mine:
         sync_replica_grads(mine)

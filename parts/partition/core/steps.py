@@ -48,6 +48,9 @@ _listeners: list[weakref.WeakMethod] = []
 _hooks: dict[str, Any] = {}
 _before: list[Callable[[torch.optim.Optimizer], None]] = []
 """Functions called with each optimizer before its step (``before_each_step``)."""
+_router: list[Any] = []
+"""The whole-tensor router (partition/whole/route.py) once imported: settles each optimizer's path
+and runs its owners' exchanges around each step."""
 _STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
 """The code of torch's wrapper around every ``Optimizer.step``: a frame running it is a step."""
 
@@ -64,6 +67,8 @@ def _steps_running() -> int:
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Count one step on the record of every linked shard ``optimizer`` holds; after the
     outermost step, tell the listeners."""
+    for router in _router:
+        router.after(optimizer)
     for group in optimizer.param_groups:
         for t in group["params"]:
             link = _links.get(t)
@@ -82,8 +87,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Refuse a step over sharded parameters themselves (not their shards), naming the fix;
     then run the ``before_each_step`` functions."""
+    for router in _router:
+        router.resolve(optimizer)
     for fn in _before:
         fn(optimizer)
+    for router in _router:
+        router.before(optimizer)
     groups = optimizer.param_groups
     size = sum(len(g["params"]) for g in groups)
     if _checked.get(optimizer) == size:
@@ -127,6 +136,26 @@ def watch(shard: torch.Tensor, record: Any) -> None:
     if link is None or link() is not record:
         _links[shard] = weakref.ref(record)
     install()
+
+
+def linked_record(shard: torch.Tensor) -> Any:
+    """The record ``watch`` linked ``shard`` to (None if none)."""
+    link = _links.get(shard)
+    return link() if link is not None else None
+
+
+def set_router(router: Any) -> None:
+    """Install the whole-tensor router (``resolve``, ``before``, ``after``, ``held`` of an optimizer)."""
+    install()
+    _router[:] = [router]
+
+
+def held_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors ``optimizer`` steps: its param groups', and the shards its owners step whole."""
+    held = [t for group in optimizer.param_groups for t in group["params"]]
+    for router in _router:
+        held.extend(router.held(optimizer))
+    return held
 
 
 def listen(method: Callable[[], None]) -> None:

@@ -4,7 +4,9 @@ For any torch optimizer over ``shards(model)`` (``parts.offload.OffloadedOptimiz
 included) the dict is what torch's ``get_optimizer_state_dict`` gives FSDP2 users:
 ``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``. A state
 tensor sized like the shard (``exp_avg``...) is a ``ShardView`` of the global parameter
-shape over this rank's real elements; scalars (``step``) are replicated values. An
+shape over this rank's real elements; scalars (``step``) are replicated values. An optimizer on the whole-tensor path
+(``parts.partition.route``) keeps each parameter's state on its owner only: that rank's dict
+holds it whole, under the same keys, and a load at another world size reads it on the new owner. An
 optimizer with no state yet (just built, about to load) first takes one step with
 learning rate 0 and zero grads, as torch's ``get_optimizer_state_dict`` does, so that
 every state tensor exists for ``dcp.load`` to fill (weights are unchanged by it).
@@ -27,6 +29,7 @@ from parts.base.wrapper import init_state
 from parts.offload.lease import Stored
 from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
 from parts.partition.interop.sharded_state import shard_view
+from parts.partition.whole import route, stepper_of
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -46,7 +49,13 @@ def _names(model: nn.Module) -> dict[int, tuple[str, Any]]:
 
 def _fqns(model: nn.Module, optimizer: torch.optim.Optimizer, what: str) -> list[tuple[str, Any]]:
     """(FQN, record) of every tensor the optimizer steps, in its order; raises for a stranger."""
+    route(optimizer)
     names = _names(model)
+    stepper = stepper_of(optimizer)
+    if stepper is not None:  # whole tensors (owner) and placeholders (elsewhere) stand for their parameters
+        for fqn, record in list(names.values()):
+            if record is not None and id(record) in stepper.by_record:
+                names[id(stepper.by_record[id(record)])] = (fqn, record)
     out = []
     for i, p in enumerate(_params_of(optimizer)):
         if id(p) not in names:
@@ -89,9 +98,13 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     stored = getattr(optimizer, "stored_state_dict", None)  # OffloadedOptimizer: nothing read now
     torch_sd = stored() if stored is not None else optimizer.state_dict()  # references to the state
     state = {}
+    stepper = stepper_of(optimizer)
     for i, (fqn, record) in enumerate(fqns):
         entry = torch_sd["state"].get(i)
-        if entry:
+        if entry and stepper is not None and id(record) in stepper.by_record:
+            if stepper.owns(record):  # whole-tensor state lives on the owner only, saved whole
+                state[fqn] = dict(entry)
+        elif entry:
             state[fqn] = {k: _state_value(v, record, f"{fqn}.{k}") for k, v in entry.items()}
     groups, offset = [], 0
     for g in torch_sd["param_groups"]:

@@ -1,0 +1,143 @@
+"""The whole-tensor path: each parameter stepped whole by one owner rank (ZeRO-1 by whole tensors).
+
+``WholeStepper`` takes over an optimizer's sharded parameters. Each gets an owner
+(``parts.base.owners.OwnerPlan``, balanced by size); in the optimizer's param groups the owner
+holds a full-shape tensor, every other rank an empty placeholder that never has a grad, so
+the optimizer's state for a parameter exists on its owner only. Before each step one
+all-to-all brings every rank's value shard and grad shard of a parameter to its owner (the
+grads were averaged by the reduce-scatter already: together the two move what one reduce to
+the owner would); the user's optimizer then steps the full tensors with their full grads; after
+it one all-to-all sends each rank its shard of the updated values. The grad shards stay until
+``optimizer.zero_grad()``, which clears them.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+import torch
+
+from parts.base.owners import OwnerPlan
+from parts.comm import all_to_all, comm_device
+from parts.partition.core import disk
+from parts.partition.core.param import alloc, internal
+
+
+def _refuse_parked(records: list, name: str) -> None:
+    for m in records:
+        if disk.parked_version(m.shard) is not None:
+            raise RuntimeError(f"parts.partition: {name} takes the whole-tensor path, but {m.describe()} has its "
+                               f"shard in a DiskStore; keep shape-aware optimizers' parameters in memory "
+                               f"(partitioned() without remote_device) or use an element-wise optimizer there")
+
+
+class WholeStepper:
+    """Owners, full tensors and the two exchanges of one optimizer on the whole-tensor path."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, records: list) -> None:
+        name = type(optimizer).__name__
+        self.records = sorted(records, key=lambda m: m.id)
+        first = self.records[0]
+        for m in self.records:
+            if m.info.group is not first.info.group or m.shard.dtype != first.shard.dtype:
+                raise ValueError(f"parts.partition: {name} steps {first.describe()} and {m.describe()}, sharded "
+                                 f"over different process groups or in different dtypes; build one optimizer "
+                                 f"per group and dtype")
+        _refuse_parked(self.records, name)
+        self.info, self.dtype = first.info, first.shard.dtype
+        self.plan = OwnerPlan(tuple(m.numel for m in self.records),
+                              tuple(m.layout.shard_numel for m in self.records), self.info.world_size)
+        self.tensors = [self._slot(j, m) for j, m in enumerate(self.records)]
+        self.by_record = {id(m): t for m, t in zip(self.records, self.tensors)}
+        self._install_zero_grad(optimizer)
+        self._optimizer = weakref.ref(optimizer)
+
+    def _slot(self, j: int, m: Any) -> torch.Tensor:
+        """The full tensor on the owner of parameter ``j``; an empty placeholder elsewhere."""
+        if self.plan.owners[j] == self.info.rank:
+            return torch.zeros(m.shape, dtype=self.dtype, device=m.shard.device)
+        return torch.empty(0, dtype=self.dtype, device=m.shard.device)
+
+    def owner_of(self, record: Any) -> int:
+        """The rank that steps ``record``'s parameter."""
+        return self.plan.owners[self.records.index(record)]
+
+    def owns(self, record: Any) -> bool:
+        """True if this rank steps ``record``'s parameter."""
+        return self.owner_of(record) == self.info.rank
+
+    def _install_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.zero_grad()`` also clears the grad shards it no longer holds itself."""
+        stepper, plain = self, optimizer.zero_grad
+
+        def zero_grad(self_: Any, set_to_none: bool = True) -> None:
+            plain(set_to_none)
+            for m in stepper.records:
+                grad = m.grad_shard
+                if grad is not None:
+                    if set_to_none:
+                        m.grad_shard = None
+                    else:
+                        grad.zero_()
+        optimizer.__dict__["zero_grad"] = types.MethodType(zero_grad, optimizer)
+
+    @internal
+    def before(self) -> None:
+        """Bring every rank's value and grad shards to the owners; give the full tensors their grads."""
+        rank, device = self.info.rank, comm_device(self.info)
+        send_splits, recv_splits = self.plan.to_owners(rank, pieces=2)
+        send = torch.cat([piece for d in range(self.info.world_size) for j in self.plan.owned(d)
+                          for piece in self._pieces(self.records[j])]).to(device) if sum(send_splits) else \
+            torch.empty(0, dtype=self.dtype, device=device)
+        recv = alloc(sum(recv_splits), self.dtype, device)
+        all_to_all(recv, send, recv_splits, send_splits, self.info)
+        owned = self.plan.owned(rank)
+        for j, t in enumerate(self.tensors):
+            if self.plan.owners[j] != rank:
+                t.grad = None  # a placeholder never steps (a state-making step gives every tensor a grad)
+        chunks = recv.split(recv_splits)
+        for k, j in enumerate(owned):
+            self._assemble(j, [c.split([2 * self.plan.shard_numels[i] for i in owned])[k] for c in chunks])
+
+    def _pieces(self, m: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = m.grad_shard
+        grad = torch.zeros_like(m.shard) if grad is None else grad.to(self.dtype)
+        return m.shard.detach(), grad.reshape(-1)
+
+    def _assemble(self, j: int, pieces: list[torch.Tensor]) -> None:
+        """The full tensor ``j`` and its grad from each rank's (value, grad) pair."""
+        m, full = self.records[j], self.tensors[j]
+        sn = self.plan.shard_numels[j]
+        values = torch.cat([p[:sn] for p in pieces])[:m.numel]
+        grads = torch.cat([p[sn:] for p in pieces])[:m.numel]
+        full.detach().copy_(values.view(m.shape))
+        if m.grad_shard is not None:  # else keep a grad set on the full tensor itself (a state-making lr-0 step)
+            full.grad = grads.view(m.shape).to(full.device).clone()
+
+    @internal
+    def after(self) -> None:
+        """Send each rank its shard of the updated full tensors; drop the full grads."""
+        rank, world, device = self.info.rank, self.info.world_size, comm_device(self.info)
+        send_splits, recv_splits = self.plan.from_owners(rank)
+        owned = self.plan.owned(rank)
+        flats = []
+        for j in owned:
+            sn, full = self.plan.shard_numels[j], self.tensors[j]
+            flat = torch.zeros(sn * world, dtype=self.dtype, device=device)
+            flat[:full.numel()].copy_(full.detach().reshape(-1))
+            flats.append(flat.view(world, sn))
+            full.grad = None
+        optimizer = self._optimizer()
+        for j, t in enumerate(self.tensors):  # a state-making step gave placeholders state: not theirs to keep
+            if self.plan.owners[j] != rank and optimizer is not None:
+                optimizer.state.pop(t, None)
+        send = torch.cat([f[d] for d in range(world) for f in flats]) if flats else \
+            torch.empty(0, dtype=self.dtype, device=device)
+        recv = alloc(sum(recv_splits), self.dtype, device)
+        all_to_all(recv, send, recv_splits, send_splits, self.info)
+        for d, chunk in enumerate(recv.split(recv_splits)):
+            mine = self.plan.owned(d)
+            for j, piece in zip(mine, chunk.split([self.plan.shard_numels[i] for i in mine])):
+                self.records[j].shard.detach().copy_(piece.to(self.records[j].shard.device))
