@@ -11,11 +11,12 @@ naming the checkpoint, the failing ranks and their errors, and no rank goes on.
 
 Into a directory (``checkpoint_id``, or a ``FileSystemWriter``'s path) a save is a
 transaction (``parts.comm.dcp_files``): written into ``<path>.saving``, every file fsynced
-and listed with its size and SHA-256 in ``parts_manifest.json``, checked, then renamed into
-place; the previous checkpoint at ``path`` is removed only then, so a failed save (a full
-disk) leaves it intact. A load checks each file it reads against the manifest, reads
-``.metadata`` without running code from it, and (``strict``, the default) refuses a state
-dict whose keys differ from the checkpoint's, naming the missing and unexpected keys.
+and listed with its size and SHA-256 in ``parts_manifest.json``, checked, then moved into
+place; the previous checkpoint's files at ``path`` are removed only then, so a failed save (a
+full disk) leaves it intact, and no other file of ``path`` is touched. A load checks each
+file it reads against the manifest, reads ``.metadata`` without running code from it, and
+(``strict``, the default) refuses a state dict whose keys differ from the checkpoint's, naming
+the missing and unexpected keys.
 
 ``ShardView`` (``parts.comm.shard_view``): the storage-less view of this rank's pieces of a
 global tensor that DCP saves from and loads into; ``settle`` gives deferred (stored)

@@ -2,10 +2,15 @@
 
 A save writes into ``<path>.saving``; every rank fsyncs and hashes the files it wrote; rank 0
 writes DCP's ``.metadata``, then ``parts_manifest.json`` (every file's size and SHA-256),
-checks the staged checkpoint against it and only then swaps it in: ``<path>`` moves to
-``<path>.old``, ``<path>.saving`` to ``<path>``, and ``<path>.old`` is removed. A save that
-fails anywhere (a full disk on one rank) leaves ``<path>`` as it was; a process killed
-between the two renames leaves ``<path>.old``, which the next save or load puts back.
+checks the staged checkpoint against it and only then swaps it in. A new ``<path>`` is the
+staging directory renamed. Into an existing ``<path>`` the swap moves file by file, and only
+the checkpoint's own files: the previous checkpoint's (those its manifest lists; without one,
+DCP's ``.metadata`` and ``*.distcp``) move aside into ``<path>.old``, the staged files move in
+(the manifest last), then ``<path>.old`` is removed. Every other file and folder of ``<path>``
+stays, and ``<path>`` itself is never renamed (it may be the working directory). A save that
+fails anywhere (a full disk on one rank) leaves ``<path>`` as it was; a process killed during
+the swap leaves ``<path>.old``, and the next save or load finishes the swap (the new manifest
+is in place) or undoes it (it is not).
 
 A load checks each file it reads against the manifest (missing, truncated, corrupted:
 ``CheckpointError`` naming the file). A checkpoint without a manifest (written by
@@ -37,22 +42,49 @@ METADATA = ".metadata"  # DCP's own name for it
 FORMAT = "parts-dcp-manifest/1"
 
 
+def _absolute(target: Path) -> Path:
+    return Path(os.path.abspath(target))  # "." and "a/.." have a name to put a suffix on
+
+
 def staging_path(target: Path) -> Path:
     """Where a save into ``target`` writes before it commits."""
+    target = _absolute(target)
     return target.with_name(target.name + ".saving")
 
 
 def _previous_path(target: Path) -> Path:
+    target = _absolute(target)
     return target.with_name(target.name + ".old")
 
 
+def _plain_name(name: str) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+
+
+def _listed(directory: Path) -> list[str]:
+    """The files ``directory``'s manifest lists, the manifest among them."""
+    return [MANIFEST] + [n for n in _read_manifest(directory)["files"] if _plain_name(n)]
+
+
 def _recover(target: Path) -> None:
-    """Put back the previous checkpoint a save moved aside if it was killed before the new one
-    took its place."""
-    old = _previous_path(target)
-    if old.is_dir() and not target.exists():
+    """Finish or undo a swap that a killed save left half done (``<path>.old`` exists)."""
+    old, staging = _previous_path(target), staging_path(target)
+    if not old.is_dir():
+        return
+    if not target.exists():  # a whole checkpoint moved aside
         os.rename(old, target)
-        fsync_directory(target.parent)
+    elif (staging / MANIFEST).is_file():  # the new manifest never moved in: undo
+        for name in _listed(staging):
+            if not (staging / name).exists():
+                (target / name).unlink(missing_ok=True)
+        for moved in old.iterdir():
+            os.rename(moved, target / moved.name)
+        old.rmdir()
+    else:  # the new checkpoint is complete in place
+        shutil.rmtree(old)
+        shutil.rmtree(staging, ignore_errors=True)
+    fsync_directory(target)
+    fsync_directory(target.parent)
 
 
 def begin(target: Path) -> Path:
@@ -116,21 +148,44 @@ def seal(staging: Path, files: dict[str, dict]) -> dict:
     return manifest
 
 
+def _own_files(target: Path, incoming: Iterable[str]) -> list[str]:
+    """The files of ``target`` a save replaces: the previous checkpoint's (by its manifest; without
+    one, DCP's ``.metadata`` and ``*.distcp``) and any of the names the new checkpoint writes."""
+    names = {MANIFEST, METADATA, *incoming}
+    try:
+        names.update(_listed(target) if (target / MANIFEST).is_file() else ())
+    except CheckpointError:
+        pass  # an unreadable manifest: what it listed is not known to be ours
+    if not (target / MANIFEST).is_file():
+        names.update(p.name for p in target.glob("*.distcp"))
+    return sorted(n for n in names if (target / n).is_file() or (target / n).is_symlink())
+
+
 def commit(staging: Path, target: Path) -> None:
-    """Rank 0: swap the sealed ``staging`` in for ``target``; the old checkpoint goes last."""
+    """Rank 0: put the sealed ``staging`` in place of the checkpoint at ``target``, keeping every
+    file of ``target`` that is not the checkpoint's own."""
+    if not target.exists():
+        os.rename(staging, target)
+        fsync_directory(_absolute(target).parent)
+        return
+    if not target.is_dir():
+        raise CheckpointError(f"checkpoint {target} is a file, not a directory: not replacing it", path=target)
+    incoming = sorted(_listed(staging), key=lambda name: name == MANIFEST)  # the manifest last
     old = _previous_path(target)
     shutil.rmtree(old, ignore_errors=True)
-    had = target.exists()
-    if had:
-        os.rename(target, old)
+    old.mkdir()
     try:
-        os.rename(staging, target)
+        for name in _own_files(target, incoming):
+            os.rename(target / name, old / name)
+        fsync_directory(old)
+        for name in incoming:
+            os.rename(staging / name, target / name)
+        fsync_directory(target)
     except BaseException:
-        if had:
-            os.rename(old, target)
+        _recover(target)
         raise
-    fsync_directory(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def abandon(staging: Path) -> None:

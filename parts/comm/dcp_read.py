@@ -12,6 +12,7 @@ loads one piece, so a reader holds one piece at a time. A checkpoint with a mani
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,4 +112,22 @@ def _stored(directory: Path, key: str, entry: TensorStorageMetadata, storage: di
                                   f"{list(info.transform_descriptors)}; read it with dcp.load", path=directory)
         pieces.append(Piece(tuple(chunk.offsets), tuple(chunk.sizes), info.relative_path,
                             info.offset, info.length))
-    return StoredTensor(key, tuple(entry.size), entry.properties.dtype, tuple(pieces))
+    stored = StoredTensor(key, tuple(entry.size), entry.properties.dtype, tuple(pieces))
+    _check_cover(directory, stored)
+    return stored
+
+
+def _check_cover(directory: Path, stored: StoredTensor) -> None:
+    """``CheckpointError`` unless the pieces lie inside the tensor and hold as many elements as it."""
+    held = 0
+    for piece in stored.pieces:
+        if len(piece.offsets) != len(stored.shape) or any(
+                o < 0 or n < 0 or o + n > size for o, n, size in zip(piece.offsets, piece.sizes, stored.shape)):
+            raise CheckpointError(f"checkpoint {directory}: .metadata puts a piece of {stored.key} at "
+                                  f"{list(piece.offsets)} (+{list(piece.sizes)}), outside its shape "
+                                  f"{list(stored.shape)}", path=directory)
+        held += math.prod(piece.sizes)
+    if held != stored.numel:
+        raise CheckpointError(f"checkpoint {directory}: the pieces of {stored.key} cover {held} of the "
+                              f"{stored.numel} elements its .metadata declares (shape {list(stored.shape)})",
+                              path=directory)

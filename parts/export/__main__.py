@@ -17,18 +17,24 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse the command line, export, print what was written."""
     parser = argparse.ArgumentParser(prog="python -m parts.export", description=__doc__)
-    parser.add_argument("checkpoint_dir", help="a DCP checkpoint directory (parts, torch dcp.save, FSDP2)")
+    parser.add_argument("checkpoint_dir", help="a DCP checkpoint directory (parts, torch dcp.save, FSDP2), "
+                        "or a parts Trainer (checkpoint-N) or accelerate save_state folder holding one")
     parser.add_argument("out_dir", help="where the safetensors files go")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="cast floating tensors to this dtype (default: as stored)")
     parser.add_argument("--prefix", default="", help='export only the keys under this prefix, without it '
                         '("model" for dcp.save({"model": state_dict}))')
+    parser.add_argument("--merge", action="store_true", help="a peft LoRA checkpoint: write the base model "
+                        "with the adapter merged (default: the adapter in peft's layout)")
     args = parser.parse_args(argv)
     result = export(args.checkpoint_dir, args.out_dir, max_shard_size=args.max_shard_size,
-                    dtype=_DTYPES[args.dtype] if args.dtype else None, prefix=args.prefix)
-    print(f"wrote {result.tensors} tensors ({result.total_bytes} bytes) into {len(result.files)} file(s) "
-          f"in {args.out_dir}" + (f"; left out non-tensor keys {result.skipped}" if result.skipped else ""))
+                    dtype=_DTYPES[args.dtype] if args.dtype else None, prefix=args.prefix, merge=args.merge)
+    what = {"adapter": "the peft adapter: ", "merged": "the model with its LoRA adapter merged: "}.get(result.kind, "")
+    print(f"read {result.checkpoint}; wrote {what}{result.tensors} tensors ({result.total_bytes} bytes) into "
+          f"{len(result.files)} file(s) in {args.out_dir}"
+          + (f"; removed the earlier export's {[p.name for p in result.removed]}" if result.removed else "")
+          + (f"; left out non-tensor keys {result.skipped}" if result.skipped else ""))
     return 0
 
 

@@ -17,8 +17,9 @@ included), it differs from transformers' ``Trainer`` only where a sharded model 
 - a checkpoint (``checkpoint-N/``, every ``save_steps``) holds the weights and every rank's
   optimizer shard as DCP checkpoints (``parts_model/``, ``parts_optimizer/``: FQN keys, global
   shapes, loadable at any world size and by FSDP2), beside Trainer's own scheduler, RNG and
-  trainer state and ``config.json``; ``resume_from_checkpoint`` loads them at any world size.
-  No rank gathers the full model for a checkpoint (as with DeepSpeed ZeRO-3 checkpoints);
+  trainer state and ``config.json`` (and a peft model's ``adapter_config.json``);
+  ``resume_from_checkpoint`` loads them at any world size. No rank gathers the full model for
+  a checkpoint (as with DeepSpeed ZeRO-3 checkpoints);
 - ``save_model`` gathers the current full weights to rank 0 (``full_state_dict``) and writes
   them with ``save_pretrained`` (``model.safetensors``), readable by ``from_pretrained``.
 
@@ -121,6 +122,9 @@ class PartsTrainerMixin:
         config = getattr(self.model, "config", None)
         if self.args.should_save and hasattr(config, "save_pretrained"):
             config.save_pretrained(output_dir)
+        adapter = getattr(self.model, "peft_config", {}).get("default")
+        if self.args.should_save and hasattr(adapter, "save_pretrained"):
+            adapter.save_pretrained(output_dir)  # adapter_config.json: parts.export writes the adapter with it
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank's optimizer shard (DCP) and Trainer's scheduler file."""

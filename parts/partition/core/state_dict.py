@@ -1,7 +1,8 @@
 """Consolidated (full) state dicts in and out of a sharded model.
 
 ``full_state_dict`` has exactly the keys, order and shapes of the plain module's
-``state_dict()`` (tied weights appear under every key, as in torch). Parameters are
+``state_dict()`` (tied weights appear under every key, as in torch); no tensor of it is
+shared with the module (editing it leaves the model as it was). Parameters are
 gathered in buckets of ``bucket_numel`` elements and released again, so the peak is the
 output plus one bucket (one parameter per bucket when shards are on disk: ``_limit``, so a
 model that does not fit in memory never has more than one parameter's full tensor and
@@ -72,12 +73,12 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True, bucket_numel: in
     for bucket in _buckets(pairs, _limit(pairs, bucket_numel)):
         ours = [p for p, m in bucket if m.status is not ParamStatus.AVAILABLE]
         gather([p for p, _ in bucket])
-        if keep:
-            full.update({id(p): p.detach() for p, _ in bucket})
+        if keep:  # a parameter kept gathered (persistent) stays live: copy it
+            full.update({id(p): p.detach() if any(p is q for q in ours) else p.detach().clone() for p, _ in bucket})
         release(ours)
     if not keep:
         return {}
-    return {k: (full[id(v)] if is_partitioned(v) else v.detach() if isinstance(v, torch.Tensor) else v)
+    return {k: (full[id(v)] if is_partitioned(v) else v.detach().clone() if isinstance(v, torch.Tensor) else v)
             for k, v in own.items()}
 
 
