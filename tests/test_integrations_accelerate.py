@@ -165,3 +165,45 @@ def test_accelerate_save_state_holds_every_rank_shard_and_load_state_resumes_ide
         assert not any(f.startswith("model") for f in got["files"])  # no rank-0 state_dict of the parts model
         assert len(got["later"]) == 2 and got["resumed"] == got["later"]  # bitwise
         assert got["same_weights"]
+
+
+def _same_batches(accelerator, model, optimizer, schedule, steps: int) -> list:
+    """Every rank steps on the same global batch: the mean grad is that batch's at any world size."""
+    rows = _rows(4 * steps)
+    return _steps(accelerator, model, optimizer, schedule, [rows[4 * i:4 * i + 4] for i in range(steps)])
+
+
+def _resumable(seed: int) -> tuple:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _fresh_state()
+    accelerator = Accelerator(cpu=True)
+    return (accelerator, *_prepared(accelerator, seed)[:3])
+
+
+def _save_at(out: str) -> list:
+    try:
+        accelerator, model, optimizer, schedule = _resumable(0)
+        _same_batches(accelerator, model, optimizer, schedule, 2)
+        accelerator.save_state(out)
+        return _same_batches(accelerator, model, optimizer, schedule, 4)[2:]
+    finally:
+        _fresh_state()
+
+
+def _load_at(out: str) -> list:
+    try:
+        accelerator, model, optimizer, schedule = _resumable(1)
+        accelerator.load_state(out)
+        return _same_batches(accelerator, model, optimizer, schedule, 4)[2:]
+    finally:
+        _fresh_state()
+
+
+def test_accelerate_load_state_resumes_at_another_world_size(tmp_path) -> None:
+    for saved_at, loaded_at in ((2, 3), (2, 1), (3, 2)):
+        out = str(tmp_path / f"from{saved_at}")
+        if not os.path.exists(out):
+            later = run(saved_at, _save_at, out, timeout=120)[0]
+        for resumed in run(loaded_at, _load_at, out, timeout=120):
+            # the same global batches over another number of ranks: the mean grad rounds differently
+            assert resumed == pytest.approx(later, rel=0, abs=2e-6), (saved_at, loaded_at)

@@ -10,7 +10,9 @@ parts objects held it: first through uncollectable cycles, then (a user keeping 
 and optimizer, or objects in ordinary cycles) through plain references. ``teardown_job.py``
 checks that dropped objects are freed (``drop``) and then that no gloo thread is left after
 ``destroy_process_group`` with other objects still alive (``keep``), both in one launch
-(``both``) at worlds 2 and 3; the launches run side by side.
+(``both``) at worlds 2 and 3; the launches run side by side. A script that ends without
+``destroy_process_group`` (``exit``) finds no gloo thread left once the exit handlers ran:
+parts destroys the process groups at a normal interpreter exit.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHES = [(2, "both"), (3, "both")]  # side by side; a launch costs ~3 s of CPU per process
+LAUNCHES = [(2, "both"), (3, "both"), (2, "exit")]  # side by side; a launch costs ~3 s of CPU per process
 
 
 def launch(world: int, mode: str) -> subprocess.Popen:
@@ -34,10 +36,12 @@ def launch(world: int, mode: str) -> subprocess.Popen:
 
 def test_gloo_threads_end_at_destroy_process_group_and_every_run_exits_0() -> None:
     """Before (keep): 'gloo threads after destroy_process_group: [gloo_tcp_loop, pt_gloo_runloop,
-    ...]' and exit 3 on every rank (and, at random, SIGABRT at interpreter exit)."""
+    ...]' and exit 3 on every rank (and, at random, SIGABRT at interpreter exit). Before (exit):
+    'gloo threads at interpreter exit: [gloo_tcp_loop, pt_gloo_runloop, ...]', exit 3."""
     runs = [(world, mode, launch(world, mode)) for world, mode in LAUNCHES]
     for world, mode, run in runs:
         out, _ = run.communicate(timeout=240)
         assert run.returncode == 0, out[-3000:]
-        assert out.count(f"({mode}): gloo threads after destroy_process_group: []") == world, out[-3000:]
+        said = "gloo threads at interpreter exit" if mode == "exit" else "gloo threads after destroy_process_group"
+        assert out.count(f"({mode}): {said}: []") == world, out[-3000:]
         assert "terminate called" not in out, out[-3000:]

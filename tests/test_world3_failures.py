@@ -170,3 +170,27 @@ def _irregular_outcome() -> tuple[str, str]:
 def test_groups_that_make_no_grid_are_refused_on_every_rank():
     for kind, message in run(3, _irregular_outcome, timeout=30.0):
         assert kind == "ValueError" and "disagree on the layout" in message, message
+
+
+def _part_and_whole_outcome() -> tuple[str, str]:
+    """The lower ranks shard over a group of part of the world, the last rank over the whole world."""
+    from datetime import timedelta
+
+    from parts.partition import partitioned
+    world = dist.get_world_size()
+    part = dist.new_group(list(range(world - 1)), timeout=timedelta(seconds=20))  # every rank makes every group
+    try:
+        with partitioned(group=part if dist.get_rank() < world - 1 else None):
+            Net()
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test checks
+        return type(err).__name__, str(err)
+    return "", ""
+
+
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_layout_over_part_of_the_world_beside_one_over_all_of_it_raises_on_every_rank(world):
+    """Before: the rank over the whole world waited in the agreement for ranks that agreed among themselves."""
+    for kind, message in run(world, _part_and_whole_outcome, timeout=30.0):
+        assert kind == "ValueError" and "disagree on the layout" in message, message
+        assert f"global rank {world - 1} shards over global ranks {list(range(world))}" in message, message
+        assert f"shards over global ranks {list(range(world - 1))}" in message, message

@@ -13,6 +13,7 @@ from parts.comm.collectives import (ReduceOp, all_reduce_async, group_key, all_g
                                     all_reduce, all_to_all, broadcast, comm_device, min_max, new_group,
                                     reduce_scatter, reduce_scatter_many)
 from parts.comm.agree import RankDisagreement, agree
+from parts.comm import exit as _exit  # noqa: F401  (process groups end at interpreter exit)
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
 from parts.comm.fake import block_layout, fake_world
 from parts.comm.objects import all_gather_objects, broadcast_object

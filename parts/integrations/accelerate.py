@@ -19,8 +19,8 @@ For a parts model both are parts' jobs, so here:
 - ``accelerator.save_state(dir)`` writes the model and its optimizers sharded (DCP
   directories ``parts_model_<i>/``, ``parts_optimizer_<i>_<j>/``: every rank's shard, loadable
   at any world size) beside accelerate's own files (schedulers, RNG, samplers), and
-  ``accelerator.load_state(dir)`` loads them back (accelerate alone would write rank 0's
-  ``state_dict`` and optimizer shard only).
+  ``accelerator.load_state(dir)`` loads them back at any world size (accelerate alone would write
+  rank 0's ``state_dict`` and optimizer shard only; its ``optimizer.bin`` holds a marker instead).
 
 All of it lives in ``PartsAcceleratorMixin``, which overrides accelerate's public methods of
 those names and uses its public save/load hooks. Use ``Accelerator`` (a
@@ -113,6 +113,7 @@ class _Checkpointing:
         self.models: list = []
         self.optimizers: list = []  # the torch optimizers (under accelerate's wrappers) over their shards
         self.saving = False
+        self.busy = False  # inside accelerate's save_state / load_state
         accelerator.register_save_state_pre_hook(self.drop_weights)
         accelerator.register_load_state_pre_hook(self.drop_models)
 
@@ -168,7 +169,11 @@ class PartsAcceleratorMixin:
         if _holds_sharded(inner):
             use_shards(inner)
         _checkpointing(self).optimizers.append(inner)  # save_state keeps those over a parts model's shards
-        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if type(prepared) is AcceleratedOptimizer:
+            prepared.__class__ = _ShardedAcceleratedOptimizer
+            prepared.parts_accelerator = self
+        return prepared
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
@@ -190,11 +195,11 @@ class PartsAcceleratorMixin:
         """accelerate's checkpoint, with each parts model and its optimizers saved sharded (DCP), every rank's
         shard: ``parts_model_<i>/`` and ``parts_optimizer_<i>_<j>/`` beside accelerate's files."""
         record = _checkpointing(self)
-        record.saving = True
+        record.saving = record.busy = True
         try:
             location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         finally:
-            record.saving = False
+            record.saving = record.busy = False
         for i, model in enumerate(record.models):
             save_sharded_model(model, os.path.join(location, f"parts_model_{i}"))
             for j, optimizer in enumerate(_optimizers_of(model, record.optimizers)):
@@ -207,11 +212,35 @@ class PartsAcceleratorMixin:
         record = _checkpointing(self)
         if record.models and input_dir is None:
             raise ValueError("load_state: pass input_dir (the directory save_state returned) for a parts model")
-        super().load_state(input_dir, **kwargs)
+        record.busy = True
+        try:
+            super().load_state(input_dir, **kwargs)
+        finally:
+            record.busy = False
         for i, model in enumerate(record.models):
             load_sharded_model(model, os.path.join(input_dir, f"parts_model_{i}"))
             for j, optimizer in enumerate(_optimizers_of(model, record.optimizers)):
                 load_sharded_optimizer(model, optimizer, os.path.join(input_dir, f"parts_optimizer_{i}_{j}"))
+
+
+class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
+    """accelerate's optimizer wrapper; over parts shards, inside ``save_state`` / ``load_state`` accelerate's own
+    ``optimizer*.bin`` holds a marker, not one rank's shard (the state is saved sharded, loadable at any world size)."""
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state; inside ``save_state``, a marker in its place."""
+        if self._saved_sharded():
+            return {"parts": "saved sharded in the parts_optimizer_<i>_<j> DCP directories"}
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict``; inside ``load_state``, accelerate's file is skipped (the DCP directory is read)."""
+        if not self._saved_sharded():
+            super().load_state_dict(state_dict)
+
+    def _saved_sharded(self) -> bool:
+        record = _checkpointing(self.parts_accelerator)
+        return record.busy and any(_optimizers_of(m, [self.optimizer]) for m in record.models)
 
 
 def _optimizers_of(model: nn.Module, optimizers: list) -> list:
