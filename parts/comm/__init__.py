@@ -15,7 +15,7 @@ from parts.comm.collectives import (ReduceOp, all_reduce_async, group_key, all_g
                                     reduce_scatter, reduce_scatter_many)
 from parts.comm.agree import RankDisagreement, agree
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
-from parts.comm.device import declared_comm_device, gloo_algorithms, to_comm, to_host, torch_algorithms
+from parts.comm.device import comm_tensor, declared_comm_device, gloo_algorithms, to_comm, to_host, torch_algorithms
 from parts.comm.fake import block_layout, fake_world
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
@@ -35,7 +35,7 @@ __all__ = [
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
     "all_reduce", "all_reduce_async", "min_max", "broadcast", "broadcast_object", "all_gather_objects",
     "all_gather_list",
-    "new_group", "comm_device", "declared_comm_device", "to_comm", "to_host", "torch_algorithms",
+    "new_group", "comm_device", "declared_comm_device", "comm_tensor", "to_comm", "to_host", "torch_algorithms",
     "gloo_algorithms", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "Topology", "launcher_ranks_per_node",
     "agree", "RankDisagreement", "fake_world", "block_layout",

@@ -3,7 +3,8 @@
 The communication device of a group (``comm_device``) is the one device every tensor handed
 to one of its collectives lives on: the current accelerator for NCCL and every other
 accelerator backend, the CPU for gloo and without a process group. Tensors ``parts`` makes
-for a collective (norms, flags, headers, pickled objects) are made there (``to_comm``) and
+for a collective (norms, flags, headers, pickled objects) are made there (``comm_tensor``,
+``to_comm``) and
 read back with one host copy (``to_host``); host buffers (IO blocks, store memory) name the
 CPU themselves. Nothing here follows ``torch.set_default_device``.
 
@@ -66,6 +67,12 @@ def declared_comm_device(device: torch.device | str) -> Iterator[torch.device]:
 def to_comm(t: torch.Tensor, info: GroupInfo) -> torch.Tensor:
     """``t`` on ``info``'s communication device (``t`` itself where it is there already)."""
     return t.to(comm_device(info))
+
+
+def comm_tensor(values: object, dtype: torch.dtype, info: GroupInfo) -> torch.Tensor:
+    """A tensor of host ``values`` on ``info``'s communication device: made on the CPU, then one
+    copy there (what ``torch.tensor(..., device=...)`` does too, but through ``to_comm``)."""
+    return to_comm(torch.tensor(values, dtype=dtype, device=_CPU), info)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import pickle
 import torch
 
 from parts.comm.collectives import all_gather_list, broadcast
-from parts.comm.device import comm_device, to_host
+from parts.comm.device import comm_device, comm_tensor, to_host
 from parts.comm.failure import Failure, RankDisagreement, describe
 from parts.comm.group import GroupArg, GroupInfo, group_info
 
@@ -61,7 +61,7 @@ def all_gather_objects(obj: object, group: GroupArg = None) -> list[object]:
         return [obj]
     device = comm_device(info)
     mine, error = _to_bytes(obj, device, info.rank)
-    head = torch.tensor([mine.numel(), int(error is not None)], dtype=torch.int64, device=device)
+    head = comm_tensor([mine.numel(), int(error is not None)], torch.int64, info)
     heads = to_host(torch.stack(all_gather_list(head, info))).tolist()  # one host copy
     sizes, flags = [h[0] for h in heads], [h[1] for h in heads]
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
@@ -79,8 +79,7 @@ def broadcast_object(obj: object, src: int = 0, group: GroupArg = None) -> objec
         return obj
     device = comm_device(info)
     data, error = _to_bytes(obj, device, info.rank) if info.rank == src else (None, None)
-    head = torch.tensor([data.numel() if data is not None else 0, int(error is not None)],
-                        dtype=torch.int64, device=device)
+    head = comm_tensor([data.numel() if data is not None else 0, int(error is not None)], torch.int64, info)
     broadcast(head, src, info)
     size, flag = to_host(head).tolist()
     if data is None:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from parts.base.wrapper import OptimizerWrapper
-from parts.comm import GroupArg, ReduceOp, all_reduce, comm_device, group_info
+from parts.comm import GroupArg, ReduceOp, all_reduce, comm_tensor, group_info
 from parts.offload import _heap, parking
 from parts.offload._adam import InplaceAdam
 from parts.offload._batch import Batch as _Batch, discard as _discard
@@ -171,7 +171,7 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
     def _agree_finite(self, finite: bool) -> bool:
         """True if every rank of ``group`` found its grads finite (one all-reduce)."""
         info = group_info(self.group, "OffloadedOptimizer.step")
-        flag = torch.tensor(0.0 if finite else 1.0, device=comm_device(info))
+        flag = comm_tensor(0.0 if finite else 1.0, torch.float32, info)
         return all_reduce(flag, info, ReduceOp.MAX).item() == 0.0
 
     def _skip(self) -> None:
