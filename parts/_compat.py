@@ -42,6 +42,11 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any = dis
     return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
 
 
+def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The ``ord`` norm of each tensor (of one device) in ``dtype``, in one kernel where torch has one."""
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
 _SWAP_DATA = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
 
 

@@ -1,6 +1,7 @@
 """parts.comm: the communication layer below every part.
 
-The one process-group handle (``GroupInfo``, ``resolve_group``/``group_info``, membership
+The communication device of a group (``comm_device``: every tensor a collective sees lives
+there; ``parts.comm.device``), the one process-group handle (``GroupInfo``, ``resolve_group``/``group_info``, membership
 and world-size checks), the collectives (each counted in ``comm_counter``, one documented
 convention: see ``parts.comm.counter``), object exchange, checks agreed across ranks
 (``agree``), the gloo algorithms that beat
@@ -15,6 +16,7 @@ from parts.comm.collectives import (ReduceOp, all_reduce_async, group_key, all_g
 from parts.comm.agree import RankDisagreement, agree
 from parts.comm import exit as _exit  # noqa: F401  (process groups end at interpreter exit)
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
+from parts.comm.device import comm_tensor, declared_comm_device, gloo_algorithms, to_comm, to_host, torch_algorithms
 from parts.comm.fake import block_layout, fake_world
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
@@ -34,7 +36,8 @@ __all__ = [
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
     "all_reduce", "all_reduce_async", "all_to_all", "min_max", "broadcast", "broadcast_object", "all_gather_objects",
     "all_gather_list",
-    "new_group", "comm_device", "group_key", "all_gather_direct", "reduce_scatter_consuming",
+    "new_group", "comm_device", "declared_comm_device", "comm_tensor", "to_comm", "to_host", "torch_algorithms",
+    "gloo_algorithms", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "Topology", "launcher_ranks_per_node",
     "agree", "RankDisagreement", "fake_world", "block_layout",
     "Codec", "all_gather_quantized", "reduce_scatter_quantized", "all_reduce_mean_quantized",

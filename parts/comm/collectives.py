@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from parts._compat import all_gather_flat, reduce_scatter_flat
 from parts.comm.counter import comm_counter, wire_bytes
+from parts.comm.device import comm_device, to_host
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming, sums_on_receipt
 from parts.comm.group import GroupArg, GroupInfo, group_info, is_distributed
 from parts.comm.packed import FinishAfter, PackedAllGather, PackedReduceScatter, split_small
@@ -231,21 +232,13 @@ def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     return dist.new_group(ranks=list(ranks))
 
 
-def comm_device(info: GroupInfo) -> torch.device:
-    """Where the group's backend wants tensors: CPU for gloo (and no group), else the current accelerator."""
-    acc = getattr(torch, "accelerator", None)
-    if info.group is None or info.backend == "gloo" or acc is None or not acc.is_available():
-        return torch.device("cpu")
-    return torch.device(acc.current_accelerator().type, acc.current_device_index())
-
-
 def min_max(values: torch.Tensor, group: GroupArg = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Element-wise minimum and maximum of ``values`` over ``group``; local copies when not distributed."""
     if not is_distributed():
         return values.clone(), values.clone()
     info = group_info(group, "min_max(group=...)")
     device = comm_device(info)
-    lo, hi = values.to(device), values.to(device, copy=True)
+    lo, hi = values.to(device, copy=True), values.to(device, copy=True)
     all_reduce(lo, info, ReduceOp.MIN)
     all_reduce(hi, info, ReduceOp.MAX)
-    return lo.cpu(), hi.cpu()
+    return to_host(lo), to_host(hi)

@@ -15,7 +15,8 @@ Because the direct exchange adds the chunks on receipt, its input may be narrowe
 output (bf16 grads, fp32 sums: ``MixedPrecision``): the chunks travel in the input's dtype
 and are added in the output's, the same sums bitwise as casting the whole input up first
 (a widening cast is exact), with half the bytes and no full-size fp32 copy.
-Other backends use torch's collectives (a narrower input is cast up first).
+Other backends use torch's collectives (a narrower input is cast up first), and so does gloo
+inside ``parts.comm.device.torch_algorithms()``.
 Nothing here counts bytes (``collectives`` does).
 """
 
@@ -27,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 from parts._compat import all_gather_flat, reduce_scatter_flat
+from parts.comm.device import gloo_algorithms
 from parts.comm.work import Waitable, WorkList, finish
 
 
 def all_gather_direct(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                       async_op: bool = False) -> Optional[Waitable]:
     """``all_gather_flat`` writing straight into ``output`` (on gloo: one broadcast per rank)."""
-    if dist.get_backend(group) != "gloo":
+    if not gloo_algorithms(group):
         return all_gather_flat(output, input, group=group, async_op=async_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = output.view(world, -1)
@@ -51,7 +53,7 @@ def _global_rank(group: Optional[dist.ProcessGroup], rank: int) -> int:
 def sums_on_receipt(op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> bool:
     """True when ``reduce_scatter_consuming`` adds the received chunks itself (gloo, a sum), so
     its input travels in its own dtype even when the output is wider."""
-    return dist.get_backend(group) == "gloo" and op == dist.ReduceOp.SUM
+    return gloo_algorithms(group) and op == dist.ReduceOp.SUM
 
 
 def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
@@ -63,7 +65,7 @@ def reduce_scatter_consuming(output: torch.Tensor, input: torch.Tensor, op: Any 
     ``input`` and a slice."""
     if input.dtype != output.dtype and not sums_on_receipt(op, group):
         input = input.to(output.dtype)  # the reduction itself must run in the output's dtype
-    if dist.get_backend(group) != "gloo":
+    if not gloo_algorithms(group):
         work = reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
         work = _SliceWhenDone(work, output, output, divide_by)
     elif op == dist.ReduceOp.SUM:

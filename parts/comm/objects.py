@@ -14,7 +14,8 @@ import pickle
 
 import torch
 
-from parts.comm.collectives import all_gather_list, broadcast, comm_device
+from parts.comm.collectives import all_gather_list, broadcast
+from parts.comm.device import comm_device, comm_tensor, to_host
 from parts.comm.failure import Failure, RankDisagreement, describe
 from parts.comm.group import GroupArg, GroupInfo, group_info
 
@@ -60,12 +61,13 @@ def all_gather_objects(obj: object, group: GroupArg = None) -> list[object]:
         return [obj]
     device = comm_device(info)
     mine, error = _to_bytes(obj, device, info.rank)
-    head = torch.tensor([mine.numel(), int(error is not None)], dtype=torch.int64, device=device)
-    heads = all_gather_list(head, info)
-    sizes, flags = [int(h[0].item()) for h in heads], [int(h[1].item()) for h in heads]
+    head = comm_tensor([mine.numel(), int(error is not None)], torch.int64, info)
+    heads = to_host(torch.stack(all_gather_list(head, info))).tolist()  # one host copy
+    sizes, flags = [h[0] for h in heads], [h[1] for h in heads]
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine
-    received = [_from_bytes(data[:size]) for data, size in zip(all_gather_list(padded, info), sizes)]
+    rows = to_host(torch.stack(all_gather_list(padded, info)))
+    received = [_from_bytes(data[:size]) for data, size in zip(rows, sizes)]
     _check(received, flags, error, "all_gather_objects")
     return received
 
@@ -77,13 +79,13 @@ def broadcast_object(obj: object, src: int = 0, group: GroupArg = None) -> objec
         return obj
     device = comm_device(info)
     data, error = _to_bytes(obj, device, info.rank) if info.rank == src else (None, None)
-    head = torch.tensor([data.numel() if data is not None else 0, int(error is not None)],
-                        dtype=torch.int64, device=device)
+    head = comm_tensor([data.numel() if data is not None else 0, int(error is not None)], torch.int64, info)
     broadcast(head, src, info)
+    size, flag = to_host(head).tolist()
     if data is None:
-        data = torch.empty(int(head[0].item()), dtype=torch.uint8, device=device)
+        data = torch.empty(size, dtype=torch.uint8, device=device)
     broadcast(data, src, info)
-    result = _from_bytes(data)
-    flags = [int(head[1].item()) if r == src else 0 for r in range(info.world_size)]
+    result = _from_bytes(to_host(data))
+    flags = [flag if r == src else 0 for r in range(info.world_size)]
     _check([result if r == src else None for r in range(info.world_size)], flags, error, "broadcast_object")
     return result

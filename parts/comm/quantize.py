@@ -144,7 +144,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32, out: Optional[t
 
 def step_size(q: Quantized) -> torch.Tensor:
     """Each element's quantization step (its block's scale / QMAX), (rows, numel)."""
-    ones = torch.ones(q.scales.shape[0], q.numel)
+    ones = torch.ones(q.scales.shape[0], q.numel, device=q.scales.device)
     return _by_block(ones, q.scales / QMAX[q.bits], q.block, torch.mul)
 
 

@@ -149,7 +149,7 @@ def _boxes_of(shape: tuple, segments: tuple, name: str) -> dict:
         if not deferred and flat.dim() != 1:
             raise ValueError(f"ShardView {name!r}: a segment must be a 1-D tensor, got shape {tuple(flat.shape)}")
         if numel == 0:  # an empty tensor: one empty box, so the key exists in the checkpoint
-            boxes[(0,) * len(shape)] = torch.empty(shape, dtype=flat.dtype) if deferred else \
+            boxes[(0,) * len(shape)] = torch.empty(shape, dtype=flat.dtype, device="cpu") if deferred else \
                 flat.narrow(0, 0, 0).view(shape)
             continue
         for box in flat_boxes(shape, start, start + flat.numel()):

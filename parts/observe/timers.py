@@ -21,7 +21,7 @@ def log_timers(timers: base.Timers, names: Optional[Iterable[str]] = None, norma
     if normalizer <= 0:
         raise ValueError(f"Timers.log: normalizer must be > 0, got {normalizer}")
     local = timers.elapsed(names, reset=reset)
-    lo, hi = min_max(torch.tensor(list(local.values()), dtype=torch.float64), group)
+    lo, hi = min_max(torch.tensor(list(local.values()), dtype=torch.float64, device="cpu"), group)
     result = {n: (lo[i].item() / normalizer, hi[i].item() / normalizer) for i, n in enumerate(local)}
     if group_info(group, "Timers.log").rank == 0 and result:
         printer("time (ms) min/max | " + " | ".join(

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from parts.base.wrapper import OptimizerWrapper
-from parts.comm import GroupArg, ReduceOp, all_reduce, group_info
+from parts.comm import GroupArg, ReduceOp, all_reduce, comm_tensor, group_info
 from parts.offload import _heap, parking
 from parts.offload._adam import InplaceAdam
 from parts.offload._batch import Batch as _Batch, discard as _discard
@@ -170,8 +170,9 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
 
     def _agree_finite(self, finite: bool) -> bool:
         """True if every rank of ``group`` found its grads finite (one all-reduce)."""
-        flag = torch.tensor(0.0 if finite else 1.0)
-        return float(all_reduce(flag, group_info(self.group, "OffloadedOptimizer.step"), ReduceOp.MAX)) == 0.0
+        info = group_info(self.group, "OffloadedOptimizer.step")
+        flag = comm_tensor(0.0 if finite else 1.0, torch.float32, info)
+        return all_reduce(flag, info, ReduceOp.MAX).item() == 0.0
 
     def _skip(self) -> None:
         self.backward_step.roll_back()

@@ -35,9 +35,8 @@ def all_reduce_norm(local: torch.Tensor, norm_type: float, info: GroupInfo,
     Reduced over ``info``'s group, then over each of ``extra_groups`` in turn (the other axes
     of a grid: a dp group then a tp group together cover every rank of a dp x tp grid once).
     """
-    total = local.clone()
-    if not bool(torch.isfinite(total)):
-        total.fill_(math.inf)  # NaN does not survive a MAX reduction everywhere; inf does
+    # NaN does not survive a MAX reduction everywhere; inf does (no host sync to find out)
+    total = torch.where(torch.isfinite(local), local, torch.full_like(local, math.inf))
     op = ReduceOp.MAX if math.isinf(norm_type) else ReduceOp.SUM
     for each in (info, *extra_groups):
         all_reduce(total, each, op)

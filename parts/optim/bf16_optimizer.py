@@ -10,7 +10,8 @@ import torch
 
 from parts.base.weak import weak_method
 from parts.base.wrapper import OptimizerWrapper
-from parts.comm import GroupArg, ProcessGroup, WeakGroup, resolve_group
+from parts.comm import GroupArg, ProcessGroup, WeakGroup, comm_device, resolve_group
+from parts.comm.norm import local_norms, local_sum
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.core.points import announce
 from parts.partition.core.replicas import pending_records, sync_replica_grads
@@ -229,10 +230,8 @@ class BF16Optimizer(OptimizerWrapper):
         self.sync_masters()
         self._reduce_grads()
         grads = self._local_grads()
-        norm = self._global_norm(self._norm_grads(grads))
         scale = 1.0 if self.loss_scaler is None else self.loss_scaler.scale
-        if scale != 1.0:
-            norm = norm / scale
+        norm = self._host_norm(self._global_norm(self._norm_grads(grads)).item(), scale)
         self.last_grad_norm = float(norm)
         finite = math.isfinite(self.last_grad_norm)
         if self.loss_scaler is not None:
@@ -278,20 +277,20 @@ class BF16Optimizer(OptimizerWrapper):
         return out
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global norm on the communication device: one ``_foreach_norm``, one all-reduce."""
         p = self.norm_type
-        local = torch.zeros((), dtype=torch.float32)
-        for g in map(offloaded.materialize, grads):  # stored grads are read one at a time
-            if g.numel() == 0:
-                continue
-            n = torch.linalg.vector_norm(g, p).to(local.device)
-            if math.isinf(p):
-                local = torch.maximum(local, n)
-            else:
-                local = local + (n if p == 0 else n.pow(p))
-        return C.all_reduce_norm(local, p, self.comm, self._norm_infos)
+        norms = local_norms(grads, p, dtype=None)  # stored grads (callables) read one at a time
+        return C.all_reduce_norm(local_sum(norms, comm_device(self.comm), p), p, self.comm, self._norm_infos)
+
+    @staticmethod
+    def _host_norm(value: float, scale: float) -> torch.Tensor:
+        """The norm read to the host (fp32 on the CPU), unscaled by the loss scale."""
+        norm = torch.tensor(value, dtype=torch.float32, device="cpu")
+        return norm / scale if scale != 1.0 else norm
 
     def _scale_grads(self, grads: list[torch.Tensor], norm: torch.Tensor, scale: float) -> None:
-        coef = torch.ones((), dtype=torch.float32)
+        """Clip (and unscale) by one host-computed fp32 coefficient; nothing to do at 1."""
+        coef = torch.ones((), dtype=torch.float32, device="cpu")
         if self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
         if scale != 1.0:

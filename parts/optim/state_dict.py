@@ -269,7 +269,7 @@ def _load_sharded(opt: Masters, reader: Reader, s: ShardedParam) -> None:
 def _saved_shard(reader: Reader, s: ShardedParam, key: Optional[str], rank: int) -> torch.Tensor:
     """``rank``'s shard of ``s``'s saved master (``key`` None) or state ``key``: zero padding, fp32."""
     start, stop = s.layout.range(rank)
-    out = torch.zeros(s.master.shape, dtype=s.master.dtype)
+    out = torch.zeros(s.master.shape, dtype=s.master.dtype, device=s.master.device)
     if stop > start:  # (a rank may own no element of a parameter with numel < world size)
         out.narrow(0, 0, stop - start).copy_(reader.read(s.name, key, start, stop))
     return out
@@ -303,7 +303,7 @@ def full_grad_tensor(opt: Masters, p: torch.Tensor) -> torch.Tensor:
         return C.all_reduce_mean(view, opt.comm)
     s = opt.sharded_groups[g][i]
     grad = s.any_grad()  # (a shard on disk has its grad in the store)
-    local = grad if grad is not None else torch.zeros(s.master.shape, dtype=torch.float32)
+    local = grad if grad is not None else torch.zeros(s.master.shape, dtype=torch.float32, device=s.master.device)
     full = C.all_gather_partition(local, opt.comm)
     return full.narrow(0, 0, s.numel).view(s.shape).clone()
 

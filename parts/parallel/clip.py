@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from parts.comm import group_info
-from parts.comm.norm import counts, global_norm, scale_
+from parts.comm.norm import clip_coef, counts, global_norm, scale_
 
 from .grid import ParallelGrid
 
@@ -49,5 +49,5 @@ def clip_grad_norm_2d(params: Iterable[torch.Tensor], max_norm: float, grid: "Pa
     params = list(params)
     norm = grad_norm_2d(params, grid, grad_fn=grad_fn, norm_type=norm_type,
                         dp_replicated=dp_replicated)
-    scale_([grad_fn(p) for p in params], max_norm, norm)
+    scale_([grad_fn(p) for p in params], clip_coef(max_norm, norm.item()))
     return norm

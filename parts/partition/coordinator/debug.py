@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
-from parts.comm import GroupArg, WeakGroup, all_gather, group_info
+from parts.comm import GroupArg, WeakGroup, all_gather, comm_tensor, group_info, to_host
 from parts.partition.coordinator.step import StepState
 
 KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end", "outside")
@@ -122,10 +122,10 @@ def divergence_message(points: Sequence[DebugPoint], names: Sequence[str]) -> st
 def exchange(values: Sequence[int], group: GroupArg) -> list[list[int]]:
     """All-gather a short list of ints from every rank of ``group`` (rank order)."""
     info = group_info(group, "FetchCoordinator(debug=True)")
-    mine = torch.tensor(list(values), dtype=torch.int64)
-    out = torch.empty(info.world_size * mine.numel(), dtype=torch.int64)
+    mine = comm_tensor(list(values), torch.int64, info)
+    out = torch.empty(info.world_size * mine.numel(), dtype=torch.int64, device=mine.device)
     all_gather(out, mine, info)
-    return out.view(info.world_size, -1).tolist()
+    return to_host(out).view(info.world_size, -1).tolist()  # one host copy per check
 
 
 def check_point(point: DebugPoint, names: Sequence[str], group: GroupArg, ids: Sequence[int] = (),

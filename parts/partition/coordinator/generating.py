@@ -101,7 +101,7 @@ def generating(model: nn.Module, memory_budget: Optional[int] = None) -> Iterato
     need = sum(_nbytes(p, attached) for p in params)
     budget = _budget(memory_budget, params)
     group = coordinator.group if attached else None
-    fits = bool(min_max(torch.tensor([float(need <= budget)]), group)[0].item())
+    fits = bool(min_max(torch.tensor([float(need <= budget)], device="cpu"), group)[0].item())
     if fits:
         with _whole(params, coordinator):
             yield GATHERED

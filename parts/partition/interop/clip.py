@@ -10,6 +10,7 @@ replicated over tp on tp rank 0 only (the rule of ``parts.parallel.clip_grad_nor
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Optional, Union
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from parts.comm import GroupInfo, group_info
-from parts.comm.norm import counts, global_norm, scale_
+from parts.comm.norm import clip_coef, counts, global_norm, scale_
 from parts.partition.core import disk
 from parts.partition.core.grad_guard import internal, raw_grad
 from parts.partition.core.param import is_partitioned, meta, unique_params
@@ -53,6 +54,15 @@ def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
     return meta(p).grad_shard
 
 
+def _grad_source(p: torch.Tensor) -> Any:
+    """``_grad_of(p)``, but a grad in the store as a callable that reads it when the norm gets to
+    it (one stored grad in memory at a time)."""
+    if is_partitioned(p) and disk.has_grad(meta(p).shard):
+        _check_reduced(p)
+        return functools.partial(disk.read_grad, meta(p).shard)
+    return _grad_of(p)
+
+
 def _consumed(p: torch.Tensor, norm_type: float) -> Optional[torch.Tensor]:
     """The norm of ``p``'s grad shard if a step during backward consumed it, else None."""
     return disk.consumed_norm(meta(p).shard, norm_type) if is_partitioned(p) else None
@@ -84,7 +94,7 @@ def grad_norm(model_or_params: Params, norm_type: float = 2.0, *, grid: Any = No
     counted = _counted(params, info, grid)
     consumed = {id(p): _consumed(p, norm_type) for p in counted}
     kept = [n for n in consumed.values() if n is not None]
-    grads = (_grad_of(p) for p in counted if consumed[id(p)] is None)
+    grads = [_grad_source(p) for p in counted if consumed[id(p)] is None]
     return global_norm(grads, info, float(norm_type), norms=kept)
 
 
@@ -96,26 +106,27 @@ def clip_grad_norm_(model_or_params: Params, max_norm: float, norm_type: float =
     clip that would scale them raises."""
     params = _params(model_or_params)
     norm = grad_norm(params, norm_type, grid=grid)
-    if error_if_nonfinite and not math.isfinite(float(norm)):
+    value = norm.item()  # the one host sync of a clip
+    if error_if_nonfinite and not math.isfinite(value):
         raise RuntimeError(f"clip_grad_norm_: the global gradient norm of order {norm_type} is "
-                           f"{float(norm)}; pass error_if_nonfinite=False to leave the grads unscaled")
-    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    if not math.isfinite(float(norm)) or coef >= 1.0:
+                           f"{value}; pass error_if_nonfinite=False to leave the grads unscaled")
+    coef = clip_coef(max_norm, value)
+    if coef >= 1.0:
         return norm
-    _refuse_consumed(params, norm, max_norm)
+    _refuse_consumed(params, value, max_norm)
     stored = [p for p in params if is_partitioned(p) and disk.has_grad(meta(p).shard)]
     for p in stored:  # read, scale and write back one at a time
         disk.scale_grad(meta(p).shard, coef)
     held = {id(p) for p in stored}
-    scale_([_grad_of(p) for p in params if id(p) not in held], max_norm, norm)
+    scale_([_grad_of(p) for p in params if id(p) not in held], coef)
     return norm
 
 
-def _refuse_consumed(params: list, norm: torch.Tensor, max_norm: float) -> None:
+def _refuse_consumed(params: list, norm: float, max_norm: float) -> None:
     """Raise if a grad that would be scaled was already stepped during backward."""
     stepped = [p for p in params if _consumed(p, 2.0) is not None]
     if stepped:
-        raise RuntimeError(f"clip_grad_norm_: the global grad norm {float(norm):.4g} exceeds max_norm="
+        raise RuntimeError(f"clip_grad_norm_: the global grad norm {norm:.4g} exceeds max_norm="
                            f"{max_norm}, but the grads of {len(stepped)} parameters (the first: "
                            f"{meta(stepped[0]).describe()}) were already stepped during backward "
                            f"inside OffloadedOptimizer.step_in_backward(); a clip needs every grad "
