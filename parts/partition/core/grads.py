@@ -125,7 +125,8 @@ def _receive_buffers(pairs: list, dtype: torch.dtype) -> list[torch.Tensor]:
            for _, m in pairs):
         sizes = [m.layout.shard_numel for _, m in pairs]
         return list(torch.split(alloc(sum(sizes), dtype, pairs[0][1].device), sizes))
-    return [disk.grad_buffer(m.shard, m.layout.shard_numel, dtype, partial(alloc, device=m.device)) for _, m in pairs]
+    return [disk.grad_buffer(m.shard, m.layout.shard_numel, dtype, partial(alloc, device=m.device), m.device)
+            for _, m in pairs]
 
 
 def accumulate_into(m: Any, part: torch.Tensor, accumulate: bool) -> None:
