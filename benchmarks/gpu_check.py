@@ -75,7 +75,8 @@ def environment(mode: str) -> dict[str, Any]:
     if mode == "cuda":
         info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
                     gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+                    nccl=".".join(map(str, version)) if isinstance(version := torch.cuda.nccl.version(), tuple)
+                    else str(version))
     return info
 
 

@@ -177,14 +177,15 @@ def stage_beyond(ctx: Context, cap_gib: float = 2.0) -> None:
         layer = 12 * config.n_embd ** 2
         attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
                persistence_threshold=4 * config.n_embd)
-        opt = OffloadedOptimizer(torch.optim.AdamW(shards(model), lr=1e-4, weight_decay=0.0), store)
+        lr = 1e-5 * (28 * 1024) / (config.n_layer * config.n_embd)  # train_offload.py's lr_for
+        opt = OffloadedOptimizer(torch.optim.AdamW(shards(model), lr=lr, weight_decay=0.0), store)
 
         def in_backward(loss: torch.Tensor) -> None:
             with opt.step_in_backward():
                 loss.backward()
         start = time.perf_counter()
-        losses = train(model, opt, batches(ctx, config, 1, 2, seed=9) * 3, backward=in_backward)
-        seconds = (time.perf_counter() - start) / 3
+        losses = train(model, opt, batches(ctx, config, 1, 2, seed=9) * 2, backward=in_backward)
+        seconds = (time.perf_counter() - start) / 2
     finally:
         store.close()
     peak = torch.cuda.max_memory_allocated() / GiB if ctx.mode == "cuda" else None

@@ -165,8 +165,10 @@ def nats_and_chars(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace,
-             device: torch.device) -> float:
-    """Loss per character over fixed validation batches (identical on every rank)."""
+             device: torch.device | None = None) -> float:
+    """Loss per character over fixed validation batches (identical on every rank), computed on
+    ``device`` (default: where the model's parameters compute)."""
+    device = next(model.parameters()).device if device is None else device
     model.eval()
     generator = torch.Generator().manual_seed(0)
     total = torch.zeros(2, dtype=torch.float64, device=device)

@@ -145,6 +145,21 @@ def test_parked_memory_goes_back_to_the_pool_only_after_its_copy_to_the_device(t
         store.close()
 
 
+def test_a_step_waits_for_the_copy_still_reading_its_parameter():
+    fake = FakeStreams(defer_h2d=True)
+    real = staging.streams
+    staging.streams = fake
+    try:
+        w = torch.randn(100)
+        before = w.clone()
+        sent = staging.to_device(w, torch.device("cpu"), torch.float32)  # reads w, runs late
+        w.grad = torch.ones(100)
+        torch.optim.SGD([w], lr=0.5).step()  # in place: only once the copy has read w
+        assert torch.equal(sent, before) and not torch.equal(w, before)
+    finally:
+        staging.streams = real
+
+
 def body_offload_with_device_compute(tmp, in_backward):
     """Shards and optimizer state on disk, compute (bf16 gathers) on a simulated accelerator whose
     copies run late: bitwise the in-memory run, every landed grad staged to the host, every shard

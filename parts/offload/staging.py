@@ -13,7 +13,9 @@ Each copy leaves a ``Copy`` (an event, waitable like a store's ``IOHandle``) on 
 it reads or writes: ``fence(t)`` finds it through any view of that memory, ``wait(t)`` blocks
 until it is done. The store waits a fence on its IO thread before writing the bytes; a parked
 tensor's ``drop`` waits before its memory goes back to the store's pool; a step waits before it
-reads a landed grad. On a machine without an accelerator, and for CPU tensors, nothing here
+reads a landed grad; and, from the first copy on, a process-wide optimizer step pre-hook waits
+the fences of the parameters an optimizer is about to change in place (shards in host memory
+that a copy to the device may still read). On a machine without an accelerator, and for CPU tensors, nothing here
 acts: ``to_device`` is ``src.to(device, dtype, non_blocking=True)``, ``to_host`` is never
 reached, and ``host_empty`` allocates ordinary memory.
 """
@@ -24,6 +26,8 @@ import threading
 from typing import Any, Optional
 
 import torch
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from parts.base.device import accelerator_device
 
@@ -108,6 +112,7 @@ class Staging:
         self.streams = streams if streams is not None else DeviceStreams()
         self._fences: dict[int, Copy] = {}  # host storage address -> the copy reading or writing it
         self._lock = threading.Lock()
+        self._step_hook: Any = None
 
     def _key(self, t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
@@ -115,6 +120,15 @@ class Staging:
     def _remember(self, t: torch.Tensor, copy: Copy) -> None:
         with self._lock:
             self._fences[self._key(t)] = copy
+            if self._step_hook is None:
+                self._step_hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: wait for the copies still reading the parameters it changes."""
+        if self._fences:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    self.wait(p)
 
     def fence(self, t: torch.Tensor) -> Optional[Copy]:
         """The copy still touching ``t``'s host memory (any view of it), or None."""
