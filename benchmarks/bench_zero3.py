@@ -3,6 +3,7 @@
     python benchmarks/bench_zero3.py                      # 25.4M-param GPT, fp32, world 2
     python benchmarks/bench_zero3.py --n-embd 256 --steps 6   # quicker
     python benchmarks/bench_zero3.py --dtype bf16         # bf16 ZeRO-3 vs FSDP2 bf16, vs the fp32 loss
+    python benchmarks/bench_zero3.py --device cuda        # one GPU per rank, NCCL (DeepSpeed: its CUDA accelerator)
 
 Every system trains the same GPT (recipes/gpt_model.py) from the same seed on the same
 batches, AdamW, fp32, in fresh processes (so peak RSS is each system's own), one system
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
 
@@ -47,22 +49,29 @@ SYSTEMS = ("ddp", "fsdp2", "parts", "parts_lean", "parts_defaults") + (
     ("deepspeed",) if importlib.util.find_spec("deepspeed") else ())  # DeepSpeed ZeRO-3 where installed
 MODELS = {"25m": dict(n_layer=8, n_embd=512, n_head=8, seq=128),  # ../shared/LESSONS.md's 25.4M GPT
           "small": dict(n_layer=32, n_embd=64, n_head=4, seq=64)}  # small and deep, 1.6M
+_DEVICE = [torch.device("cpu")]  # this worker's device, set by _worker from --device
 BF16_SYSTEMS = ("ddp", "fsdp2_bf16", "parts_bf16", "parts_lean_bf16")
 ANCHOR_ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)  # the bf16 comparison's optimizer
 
 
 def build_ddp(config):
     from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(GPT(config))
+    model = DistributedDataParallel(GPT(config).to(_DEVICE[0]))
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
+
+
+def _mesh():
+    """FSDP2's mesh over every rank, on the benchmark's device type (not the one torch finds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(_DEVICE[0].type, (dist.get_world_size(),))
 
 
 def build_fsdp2(config):
     from torch.distributed.fsdp import fully_shard
-    model = GPT(config)
+    model, mesh = GPT(config).to(_DEVICE[0]), _mesh()
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
 
 
@@ -118,7 +127,7 @@ class _DeepSpeedOptimizer:
 
 def build_parts(config):
     from parts.partition import attach, partitioned, shards
-    with partitioned():
+    with partitioned(device=_DEVICE[0]):
         model = GPT(config)
     coordinator = attach(model, persistence_threshold=0)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
@@ -127,7 +136,7 @@ def build_parts(config):
 def build_parts_defaults(config):
     """ZeRO-3 with every knob at its default (fetch units, persistence threshold)."""
     from parts.partition import attach, partitioned, shards
-    with partitioned():
+    with partitioned(device=_DEVICE[0]):
         model = GPT(config)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), attach(model)
 
@@ -135,7 +144,7 @@ def build_parts_defaults(config):
 def build_parts_lean(config):
     """ZeRO-3 with a tight budget: about two blocks live, release after every use (3Ψ traffic)."""
     from parts.partition import attach, partitioned, shards
-    with partitioned():
+    with partitioned(device=_DEVICE[0]):
         model = GPT(config)
     block = 12 * config.n_embd ** 2
     coordinator = attach(model, persistence_threshold=0, max_reuse_distance=0, prefetch_bucket_size=block,
@@ -151,16 +160,16 @@ def _bf16_policy():
 def build_fsdp2_bf16(config):
     """FSDP2's mixed precision: fp32 sharded params, bf16 compute, fp32 grad reduction."""
     from torch.distributed.fsdp import fully_shard
-    model = GPT(config)
+    model, mesh = GPT(config).to(_DEVICE[0]), _mesh()
     for block in model.blocks:
-        fully_shard(block, mp_policy=_bf16_policy())
-    fully_shard(model, mp_policy=_bf16_policy())
+        fully_shard(block, mesh=mesh, mp_policy=_bf16_policy())
+    fully_shard(model, mesh=mesh, mp_policy=_bf16_policy())
     return model, torch.optim.AdamW(model.parameters(), **ANCHOR_ADAMW), None
 
 
 def _parts_bf16(config, **knobs):
     from parts.partition import MixedPrecision, attach, partitioned, shards
-    with partitioned():  # fp32 shards: the masters
+    with partitioned(device=_DEVICE[0]):  # fp32 shards: the masters
         model = GPT(config)
     coordinator = attach(model, mixed_precision=MixedPrecision(), **knobs)
     return model, torch.optim.AdamW(shards(model), **ANCHOR_ADAMW), coordinator
@@ -180,7 +189,7 @@ def build_parts_lean_bf16(config):
 
 def _ddp_anchor(config):
     from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(GPT(config))
+    model = DistributedDataParallel(GPT(config).to(_DEVICE[0]))
     return model, torch.optim.AdamW(model.parameters(), **ANCHOR_ADAMW), None
 
 
@@ -200,7 +209,7 @@ def _worker(rank, world_size, port, system, config, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    device = _DEVICE[0] = devices.init(args.device)  # the environment above: gloo, or NCCL on LOCAL_RANK's GPU
     if args.mmap_threshold:
         from parts.observe import set_mmap_threshold
         set_mmap_threshold(args.mmap_threshold)  # freed large buffers leave the process (all systems)
@@ -209,11 +218,14 @@ def _worker(rank, world_size, port, system, config, args, results):
     model, optimizer, coordinator = build(config)
     times, cpu_times, loss = [], [], None
     for inputs, targets in _batches(config, args, rank):
+        inputs, targets = devices.to(device, inputs, targets)
+        _sync(device)
         started, cpu_started = time.perf_counter(), time.process_time()
         loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        _sync(device)
         times.append(time.perf_counter() - started)
         cpu_times.append(time.process_time() - cpu_started)
     loss = loss.detach().clone()
@@ -224,11 +236,18 @@ def _worker(rank, world_size, port, system, config, args, results):
         results[system] = dict(step=statistics.median(times[2:] or times),
                                cpu=statistics.median(cpu_times[2:] or cpu_times), peak_rss=peak_rss,
                                loss=loss.item() / world_size, stats=stats)
+        if device.type == "cuda":
+            results[system] = dict(results[system], peak_gpu=torch.cuda.max_memory_allocated(device))
     # DDP (the anchor) holds its group strongly from inside reference cycles: freed here, so
     # destroy_process_group joins gloo's workers before interpreter teardown
     del model, optimizer, coordinator
     gc.collect()
     dist.destroy_process_group()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _free_port() -> int:
@@ -257,8 +276,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="run every system this many times, alternating; report the median")
     parser.add_argument("--no-overhead", action="store_true", help="skip the world-1 host-overhead run")
+    devices.add_device_flag(parser)
     args = parser.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, for the deepspeed system
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")  # DeepSpeed's, for the deepspeed system
     for name, value in MODELS[args.model].items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     bf16 = args.dtype == "bf16"
@@ -291,7 +312,8 @@ def main() -> None:
     summary.update({f"{system} vs DDP round by round": r for system, r in paired.items()})
     if not args.no_overhead:
         summary.update(_print_overhead())
-    suffix = "".join(f"_{v}" for v, default in ((args.model, "25m"), (args.dtype, "fp32")) if v != default)
+    suffix = "".join(f"_{v}" for v, default in ((args.model, "25m"), (args.dtype, "fp32"), ("cuda" if cuda else "cpu",
+                                                                                             "cpu")) if v != default)
     record("bench_zero3" + suffix, {"rows": table, "summary": summary})
 
 
@@ -313,9 +335,10 @@ def _combine(rows: list) -> dict:
     losses = {row["loss"] for row in rows}
     if len(losses) != 1:
         raise RuntimeError(f"runs of one system disagree on the final loss: {sorted(losses)}")
+    gpu = {"peak_gpu": max(row["peak_gpu"] for row in rows)} if "peak_gpu" in rows[0] else {}
     return dict(step=statistics.median(row["step"] for row in rows),
                 cpu=statistics.median(row["cpu"] for row in rows),
-                peak_rss=max(row["peak_rss"] for row in rows), loss=losses.pop(), stats=rows[-1]["stats"])
+                peak_rss=max(row["peak_rss"] for row in rows), loss=losses.pop(), stats=rows[-1]["stats"], **gpu)
 
 
 def _print_table(results, params) -> list[dict]:
@@ -337,6 +360,8 @@ def _print_table(results, params) -> list[dict]:
                       "cpu_s_per_step_rank0": round(row["cpu"], 3), "cpu_vs_DDP": cpu_ratio,
                       "peak_rss_MiB": round(row["peak_rss"] / 2**20), "final_loss": round(row["loss"], 4),
                       "loss_vs_DDP": gap, "traffic_per_step": _traffic(row.get("stats"), params)})
+        if "peak_gpu" in row:
+            table[-1]["peak_gpu_allocated_MiB"] = round(row["peak_gpu"] / 2**20)
     return table
 
 

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 recipes/checkpoint_only.py
     torchrun --standalone --nproc-per-node 2 recipes/checkpoint_only.py --layers 8 --seq-len 256
+    torchrun --standalone --nproc-per-node 2 recipes/checkpoint_only.py --device cuda   # a GPU per rank
 
 The same stack of GPT blocks (with dropout) runs one forward+backward four ways: without
 checkpointing; with ``parts.checkpoint.checkpoint`` around each block (only block inputs are
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import devices
 from gpt_model import Block, GPTConfig
 from parts.checkpoint import CheckpointPolicy, checkpoint
 from parts.observe import StorageTracker
@@ -37,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--dropout", type=float, default=0.1, help="replayed exactly in recompute")
     ap.add_argument("--seed", type=int, default=1234)
+    devices.add_device_flag(ap)
     return ap.parse_args()
 
 
@@ -68,13 +71,13 @@ def forward_backward(blocks: nn.ModuleList, x: torch.Tensor, policy: CheckpointP
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    device = devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # same weights and input on every rank: activations are replicas
     config = GPTConfig(n_embd=args.n_embd, n_head=args.n_head, block_size=args.seq_len,
                        dropout=args.dropout)
-    blocks = nn.ModuleList(Block(config) for _ in range(args.layers)).train()
-    x = torch.randn(args.batch_size, args.seq_len, args.n_embd)
+    blocks = nn.ModuleList(Block(config) for _ in range(args.layers)).train().to(device)
+    x = torch.randn(args.batch_size, args.seq_len, args.n_embd).to(device)
     activation = x.numel() * x.element_size()
     if rank == 0:
         print(f"{args.layers} GPT blocks, activations {args.batch_size}x{args.seq_len}x{args.n_embd} "

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 recipes/finetune_from_state_dict.py
     torchrun --standalone --nproc-per-node 2 recipes/finetune_from_state_dict.py \
         --weights gpt.pt --out tuned.pt --dtype bf16
+    torchrun --standalone --nproc-per-node 8 recipes/finetune_from_state_dict.py --device cuda
 
 ``--weights`` is an ordinary ``torch.save(model.state_dict())`` file of the recipe GPT; without
 it the recipe first writes one (a freshly initialised GPT stands in for a downloaded model).
@@ -23,6 +24,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+import devices
 from chardata import VOCAB_SIZE, batch, load_splits
 from gpt_model import GPT, GPTConfig
 from parts.optim import BF16Optimizer
@@ -51,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
+    devices.add_device_flag(ap)
     return ap.parse_args()
 
 
@@ -75,10 +78,11 @@ def val_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 
 def plain_val_loss(path: str, config: GPTConfig, dtype: str, inputs: torch.Tensor,
                    targets: torch.Tensor) -> float:
-    """Load a state_dict file into a plain, unsharded GPT (strict) and return its validation loss."""
+    """Load a state_dict file into a plain, unsharded GPT (strict) and return its validation loss
+    (computed on the device of ``inputs``)."""
     plain = GPT(config)
     plain.load_state_dict(torch.load(path, weights_only=True))  # strict: every key, every shape
-    return val_loss(plain.to(DTYPES[dtype]), inputs, targets)
+    return val_loss(plain.to(inputs.device, DTYPES[dtype]), inputs, targets)
 
 
 def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -90,12 +94,12 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.op
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    device = devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=4, n_embd=args.n_embd)
     weights = pretrained_file(args, config)
-    with partitioned(dtype=DTYPES[args.dtype]):
+    with partitioned(dtype=DTYPES[args.dtype], device=device):
         model = GPT(config)
     state = torch.load(weights, weights_only=True) if rank == 0 else {}
     load_full_state_dict(model, state)  # rank 0's dict, broadcast and sliced into shards
@@ -104,7 +108,7 @@ def main() -> None:
     register_external_parameter(model, model.wte.weight)  # the tied head runs in the root's forward
     optimizer = make_optimizer(model, args)
     train, val = load_splits(args.data)
-    val_inputs, val_targets = batch(val, 16, args.seq_len, torch.Generator().manual_seed(0))
+    val_inputs, val_targets = devices.to(device, *batch(val, 16, args.seq_len, torch.Generator().manual_seed(0)))
     before = val_loss(model, val_inputs, val_targets)
     if rank == 0:
         print(f"loaded {weights} into a {args.dtype} GPT sharded over {world} ranks; "
@@ -112,7 +116,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed + rank)
     for step in range(1, args.steps + 1):
         model.train()
-        inputs, targets = batch(train, args.batch_size, args.seq_len, generator)
+        inputs, targets = devices.to(device, *batch(train, args.batch_size, args.seq_len, generator))
         loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
@@ -122,7 +126,7 @@ def main() -> None:
     after = val_loss(model, val_inputs, val_targets)
     state = full_state_dict(model)  # plain keys and shapes, on rank 0 ({} elsewhere)
     if rank == 0:
-        torch.save(state, args.out)
+        torch.save({k: v.cpu() for k, v in state.items()}, args.out)  # a file any machine loads
         reloaded = plain_val_loss(args.out, config, args.dtype, val_inputs, val_targets)
         original = plain_val_loss(weights, config, args.dtype, val_inputs, val_targets)
         print(f"validation loss {before:.4f} -> {after:.4f} after {args.steps} steps "

@@ -3,6 +3,7 @@ then hand the weights to Hugging Face with ``parts.export``.
 
     torchrun --standalone --nproc-per-node 2 recipes/generate.py
     torchrun --standalone --nproc-per-node 2 recipes/generate.py --steps 20 --tokens 48 --export out/hf
+    torchrun --standalone --nproc-per-node 2 recipes/generate.py --device cuda   # a GPU per rank
 
 A small GPT-2 (a config, no download) is built under ``partitioned()``, attached and trained
 ``--steps`` steps on Python text (recipes/chardata.py). Each rank then generates ``--tokens``
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import devices  # noqa: E402
 from chardata import VOCAB_SIZE, batch, decode, load_splits  # noqa: E402
 
 from parts.comm import dcp  # noqa: E402
@@ -41,11 +43,11 @@ from parts.partition import (attach, full_state_dict, generating, partitioned, s
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: torch.Tensor, steps: int,
-           seq_len: int, gen: torch.Generator) -> float:
+           seq_len: int, gen: torch.Generator, device: torch.device) -> float:
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        x, _ = batch(data, 4, seq_len, gen)
+        x, = devices.to(device, batch(data, 4, seq_len, gen)[0])
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         optimizer.step()
@@ -69,26 +71,28 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--export", default=None, help="export the trained weights into this directory")
+    devices.add_device_flag(parser)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    device = devices.init(args.device)
     rank = dist.get_rank()
     config = transformers.GPT2Config(vocab_size=VOCAB_SIZE, n_embd=args.n_embd, n_layer=args.n_layer, n_head=4,
                                      n_positions=max(args.seq_len, 16 + args.tokens))
     torch.manual_seed(0)
-    with partitioned():
+    with partitioned(device=device):
         model = transformers.GPT2LMHeadModel(config)
     # nothing kept gathered between steps, one fetch unit per block: streaming can stay under a budget
     attach(model, persistence_threshold=0, fetch_unit_size=13 * args.n_embd ** 2)
     optimizer = torch.optim.AdamW(shards(model), lr=3e-3)
     train, _ = load_splits(None)
     gen = torch.Generator().manual_seed(rank)
-    loss = _train(model, optimizer, train, args.steps, args.seq_len, gen)
+    loss = _train(model, optimizer, train, args.steps, args.seq_len, gen, device)
     model.eval()
     start = torch.randint(0, len(train) - 16, (1,), generator=gen).item()
-    prompt = train[start:start + 8 + 4 * rank].unsqueeze(0)  # prompts of different lengths per rank
+    prompt = train[start:start + 8 + 4 * rank].unsqueeze(0).to(device)  # prompts of different lengths per rank
     kw = dict(max_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
     plain = transformers.GPT2LMHeadModel(config)
     plain.load_state_dict(full_state_dict(model, rank0_only=False))
+    plain.to(device)
     reference = plain.eval().generate(prompt, **kw)
     below = sum(p.numel() * 4 for p in plain.parameters()) * 3 // 4
 
@@ -105,9 +109,9 @@ def main() -> None:
         seconds, tokens = _timed(fn)
         same = torch.equal(tokens, reference)
         if rank == 0:
-            text = decode(tokens[0, prompt.shape[1]:]).replace("\n", "\\n")
+            text = decode(tokens[0, prompt.shape[1]:].cpu()).replace("\n", "\\n")
             print(f"{name:40s} {args.tokens / seconds:8.1f} tokens/s  equal to unsharded: {same}  {text!r}")
-    after = _train(model, optimizer, train, 1, args.seq_len, gen)
+    after = _train(model, optimizer, train, 1, args.seq_len, gen, device)
     if rank == 0:
         print(f"loss after {args.steps} steps {loss:.4f}, after one more step {after:.4f}")
     if args.export:
@@ -124,7 +128,7 @@ def _export(model: torch.nn.Module, out: str, rank: int) -> None:
         model.config.save_pretrained(checkpoint)
         result = export(checkpoint, out)
         loaded = transformers.GPT2LMHeadModel.from_pretrained(out).state_dict()
-        same = all(torch.equal(loaded[k], v) for k, v in full.items() if k in loaded)
+        same = all(torch.equal(loaded[k], v.cpu()) for k, v in full.items() if k in loaded)
         print(f"exported {result.tensors} tensors to {result.files[0]}; from_pretrained equal: {same}")
     dist.barrier()
 

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 recipes/hf_trainer.py
     torchrun --standalone --nproc-per-node 2 recipes/hf_trainer.py --compare-ddp --steps 4
+    torchrun --standalone --nproc-per-node 2 recipes/hf_trainer.py --device cuda   # a GPU per rank
 
 A tiny GPT-2 is built from a config (no download) under ``partitioned()`` and trained by
 parts' drop-in ``Trainer`` with transformers' default knobs (fused AdamW, linear schedule,
@@ -33,6 +34,8 @@ import torch.distributed as dist
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
+import devices
+
 from parts.comm import broadcast_object
 from parts.integrations.transformers import Trainer
 from parts.partition import full_state_dict, partitioned
@@ -48,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--compare-ddp", action="store_true", help="also run transformers' DDP Trainer; print diffs")
+    devices.add_device_flag(p)
     return p.parse_args()
 
 
@@ -76,7 +80,8 @@ def training_args(opts: argparse.Namespace, out: str, max_grad_norm: float) -> T
     """The same arguments for the parts and the DDP run (save_strategy is Trainer's default, "steps")."""
     return TrainingArguments(output_dir=out, max_steps=opts.steps, per_device_train_batch_size=opts.batch_size,
                              learning_rate=opts.lr, weight_decay=0.1, max_grad_norm=max_grad_norm,
-                             logging_steps=1, save_steps=opts.save_steps, report_to=[], seed=0, use_cpu=True,
+                             logging_steps=1, save_steps=opts.save_steps, report_to=[], seed=0,
+                             use_cpu=opts.device_type == "cpu",
                              disable_tqdm=True, ddp_find_unused_parameters=False)
 
 
@@ -87,7 +92,8 @@ def train(opts: argparse.Namespace, out: str, max_grad_norm: float, sharded: boo
     data = Sequences(opts.steps * opts.batch_size * dist.get_world_size(), opts.seq_len)
     args = training_args(opts, out, max_grad_norm)
     if sharded:
-        with partitioned():
+        with partitioned(device=torch.device(opts.device_type, torch.cuda.current_device())
+                         if opts.device_type == "cuda" else None):
             model = GPT2LMHeadModel(config())
         trainer = Trainer(model=model, args=args, train_dataset=data)
     else:
@@ -112,7 +118,7 @@ def compare(opts: argparse.Namespace, out: str, max_grad_norm: float) -> dict:
                   param_diff=max(float((got[k] - ref[k]).abs().max()) for k in ref))
     if dist.get_rank() == 0:  # what save_model wrote, read back by plain transformers
         saved = GPT2LMHeadModel.from_pretrained(os.path.join(out, "parts")).state_dict()
-        result["saved_equal"] = all(torch.equal(saved[k], got[k]) for k in saved)
+        result["saved_equal"] = all(torch.equal(saved[k], got[k].cpu()) for k in saved)
     return result
 
 
@@ -133,7 +139,7 @@ def train_and_resume(opts: argparse.Namespace, out: str) -> None:
 
 def main() -> None:
     opts = parse_args()
-    dist.init_process_group("gloo")
+    opts.device_type = devices.init(opts.device).type  # Trainer puts each rank on LOCAL_RANK's GPU too
     tmp = tempfile.mkdtemp(prefix="hf_trainer_") if dist.get_rank() == 0 else None
     out = broadcast_object(tmp)  # one directory: every rank names it
     if opts.compare_ddp:

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 recipes/memory_probe.py
     torchrun --standalone --nproc-per-node 2 recipes/memory_probe.py --hidden-dim 2048 --dtype fp32
+    torchrun --standalone --nproc-per-node 2 recipes/memory_probe.py --device cuda   # parameters on a GPU per rank
 
 The same ``--nlayers`` x ``Linear(hidden, hidden)`` model is built twice: plainly (every rank
 holds all Ψ parameters) and inside ``partitioned()`` (each rank keeps a 1/N shard, so
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import devices
 from parts.comm import all_gather_objects
 from parts.observe import memory_usage, storage_bytes
 from parts.partition import gathered, is_partitioned, meta, partitioned
@@ -45,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--forwards", type=int, default=2)
     ap.add_argument("--fetch", choices=("attach", "gathered"), default="attach",
                     help="how the sharded model gets its full weights for a forward")
+    devices.add_device_flag(ap)
     return ap.parse_args()
 
 
@@ -59,9 +62,10 @@ def release_free_heap() -> None:
 def build(args: argparse.Namespace, sharded: bool) -> nn.Sequential:
     """The layer stack, sharded at construction when ``sharded``."""
     dtype = DTYPES[args.dtype]
-    with partitioned(dtype=dtype, enabled=sharded):
+    device = devices.pick(args.device)
+    with partitioned(dtype=dtype, device=device, enabled=sharded):
         model = nn.Sequential(*(nn.Linear(args.hidden_dim, args.hidden_dim) for _ in range(args.nlayers)))
-    return model if sharded else model.to(dtype)  # built in fp32 like the sharded one, then cast
+    return model if sharded else model.to(device, dtype)  # built in fp32 like the sharded one, then cast
 
 
 def param_bytes(model: nn.Module) -> int:
@@ -75,7 +79,7 @@ def param_bytes(model: nn.Module) -> int:
 def run_forwards(model: nn.Sequential, args: argparse.Namespace, sharded: bool) -> None:
     """``--forwards`` passes over a fixed input; sharded weights are fetched per layer."""
     x = torch.randn(args.batch, args.hidden_dim, generator=torch.Generator().manual_seed(0))
-    x = x.to(DTYPES[args.dtype])
+    x = x.to(devices.pick(args.device), DTYPES[args.dtype])
     coordinator = attach(model) if sharded and args.fetch == "attach" else None
     for _ in range(args.forwards):
         y = x
@@ -120,7 +124,7 @@ def probe(args: argparse.Namespace, sharded: bool) -> list[tuple]:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     warm_up(args)
     torch.manual_seed(1234)

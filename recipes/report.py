@@ -86,14 +86,18 @@ def _matmul_seconds(dtype, size: int = 256, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def fastest_dtype() -> tuple[str, str]:
-    """``("bf16" | "fp32", why)``: bf16 where this hardware computes it faster than fp32.
+def fastest_dtype(device=None) -> tuple[str, str]:
+    """``("bf16" | "fp32", why)``: bf16 where ``device`` (default: the accelerator if any, else the
+    CPU) computes it faster than fp32.
 
     On an accelerator: bf16 where it supports it. On a CPU, measured: CPUs with bf16 units
     (AVX-512 BF16, AMX) run bf16 matmuls faster than fp32, CPUs without them many times slower.
     """
     import torch
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if device is not None:
+        acc = device if device.type != "cpu" else None
+    else:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if acc is not None:
         supported = acc.type != "cuda" or torch.cuda.is_bf16_supported()
         return ("bf16", f"{acc.type} supports bf16") if supported else ("fp32", f"{acc.type} lacks bf16")

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 recipes/train_gpt.py
     torchrun --standalone --nproc-per-node 2 recipes/train_gpt.py --dtype fp32 --checkpoint --steps 300
     torchrun --standalone --nproc-per-node 3 recipes/train_gpt.py --resume --steps 200
+    torchrun --standalone --nproc-per-node 8 recipes/train_gpt.py --device cuda   # one GPU per rank, NCCL
 
 The compute dtype is bf16 where this hardware runs it faster than fp32 (measured at start,
 said in the header), fp32 otherwise. The model is built in fp32 under ``partitioned()`` (each
@@ -38,6 +39,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import devices
 import report
 from chardata import VOCAB_SIZE, batch, char_count, decode, encode, load_splits
 from gpt_model import GPT, GPTConfig
@@ -95,17 +97,18 @@ def parse_args() -> argparse.Namespace:
     add("--mmap-threshold", type=int, default=0,
         help="bytes: larger host allocations are mmapped, so freed shards leave RSS at once, at the "
              "cost of page faults (0: glibc's default, faster)")
+    devices.add_device_flag(ap)
     return ap.parse_args()
 
 
-def choose_dtype(requested: str) -> tuple[str, str]:
+def choose_dtype(requested: str, device: torch.device) -> tuple[str, str]:
     """The dtype every rank trains in and why (rank 0 measures, so all ranks agree)."""
     if requested != "auto":
         return requested, "--dtype " + requested
-    return broadcast_object(report.fastest_dtype() if dist.get_rank() == 0 else None, src=0)
+    return broadcast_object(report.fastest_dtype(device) if dist.get_rank() == 0 else None, src=0)
 
 
-def hybrid_mesh(args: argparse.Namespace):
+def hybrid_mesh(args: argparse.Namespace, device: torch.device):
     """With --hybrid: a (replicate, shard) DeviceMesh, shards within each node of LOCAL_WORLD_SIZE
     ranks, one replica per node; else None (full sharding over every rank)."""
     if not args.hybrid:
@@ -115,19 +118,23 @@ def hybrid_mesh(args: argparse.Namespace):
     if world % local:
         raise SystemExit(f"--hybrid: WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
 
 
-def build(args: argparse.Namespace):
-    """Model (sharded and attached unless --no-partition), optimizer and LR schedule."""
+def build(args: argparse.Namespace, device: torch.device | None = None):
+    """Model (sharded and attached unless --no-partition), optimizer and LR schedule, on ``device``
+    (default: ``--device``'s)."""
+    device = devices.pick(args.device) if device is None else device
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
     low = dtype if dtype != torch.float32 else None  # compute dtype below fp32, if any
-    mesh = hybrid_mesh(args)
-    with partitioned(mesh=mesh, enabled=args.partition):  # fp32 shards: the masters
+    mesh = hybrid_mesh(args, device)
+    with partitioned(mesh=mesh, device=device, enabled=args.partition):  # fp32 shards: the masters
         model = GPT(config, checkpoint_fn=checkpoint if args.checkpoint else None)
+    if not args.partition:
+        model.to(device)
     coordinator = attach(model, prefetch_bucket_size=args.prefetch_bucket_size,
                          max_reuse_distance=args.max_reuse_distance,
                          max_live_parameters=args.max_live_parameters,
@@ -152,17 +159,21 @@ def build(args: argparse.Namespace):
 
 def nats_and_chars(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``[summed loss, characters]`` of a batch whose mean loss per token is ``loss``."""
-    return torch.stack([loss.detach().double() * targets.numel(), char_count(targets).double()])
+    chars = char_count(targets.cpu()).double().to(loss.device)
+    return torch.stack([loss.detach().double() * targets.numel(), chars])
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace) -> float:
-    """Loss per character over fixed validation batches (identical on every rank)."""
+def evaluate(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace,
+             device: torch.device | None = None) -> float:
+    """Loss per character over fixed validation batches (identical on every rank), computed on
+    ``device`` (default: where the model's parameters compute)."""
+    device = next(model.parameters()).device if device is None else device
     model.eval()
     generator = torch.Generator().manual_seed(0)
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for _ in range(args.eval_batches):
-        inputs, targets = batch(tokens, args.batch_size, args.seq_len, generator)
+        inputs, targets = devices.to(device, *batch(tokens, args.batch_size, args.seq_len, generator))
         total += nats_and_chars(model(inputs, targets), targets)
     model.train()
     return (total[0] / total[1]).item()
@@ -191,9 +202,9 @@ def resume(path: str, model, optimizer, schedule) -> int:
     return state["step"]
 
 
-def rss_per_rank() -> list[float]:
-    """Every rank's current RSS in MiB (a small all-gather)."""
-    mine = torch.tensor([snapshot().rss_bytes / 2**20], dtype=torch.float64)
+def rss_per_rank(device: torch.device) -> list[float]:
+    """Every rank's current RSS in MiB (a small all-gather on the process group's ``device``)."""
+    mine = torch.tensor([snapshot().rss_bytes / 2**20], dtype=torch.float64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [t.item() for t in every]
@@ -206,13 +217,13 @@ def main() -> None:
     # of the free blocks between the step's activation buffers, which splits them, and the heap
     # (RSS) of a rank creeps up. Off unless set: nothing here is debugged from its records.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
-    dist.init_process_group("gloo")
+    device = devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if args.mmap_threshold:
         set_mmap_threshold(args.mmap_threshold)
-    args.dtype, why = choose_dtype(args.dtype)
-    model, coordinator, optimizer, schedule = build(args)
+    args.dtype, why = choose_dtype(args.dtype, device)
+    model, coordinator, optimizer, schedule = build(args, device)
     train_tokens, val_tokens = load_splits(args.data)
     start = resume(args.out, model, optimizer, schedule) if args.resume else 0
     params = sum(meta(p).numel if is_partitioned(p) else p.numel() for p in model.parameters())
@@ -221,11 +232,11 @@ def main() -> None:
                   f"{char_count(train_tokens).item():,} training chars in {len(train_tokens):,} tokens, "
                   f"steps {start + 1}..{start + args.steps}")
     generator = torch.Generator().manual_seed(args.seed + 7919 * rank + start)
-    train_curve, val_curve = [], [(start, evaluate(model, val_tokens, args))]
+    train_curve, val_curve = [], [(start, evaluate(model, val_tokens, args, device))]
     progress.note(f"step {start}: validation loss {val_curve[0][1]:.4f}")
     tokens_per_step = args.batch_size * args.seq_len * world
     for step in range(start + 1, start + args.steps + 1):
-        inputs, targets = batch(train_tokens, args.batch_size, args.seq_len, generator)
+        inputs, targets = devices.to(device, *batch(train_tokens, args.batch_size, args.seq_len, generator))
         loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
@@ -236,12 +247,12 @@ def main() -> None:
         dist.all_reduce(summed)
         train_curve.append((step, (summed[0] / summed[1]).item()))  # nats per character
         done = step - start
-        rss = rss_per_rank() if done % 10 == 0 or done == args.steps else None
+        rss = rss_per_rank(device) if done % 10 == 0 or done == args.steps else None
         progress.update(done, loss=f"{train_curve[-1][1]:.4f}",
                         **{"tok/s": f"{tokens_per_step * done / progress.elapsed():,.0f}"},
                         **({"RSS MiB": "/".join(f"{r:.0f}" for r in rss)} if rss else {}))
         if done % args.eval_interval == 0 or done == args.steps:
-            val_curve.append((step, evaluate(model, val_tokens, args)))
+            val_curve.append((step, evaluate(model, val_tokens, args, device)))
             progress.note(f"step {step}: validation loss {val_curve[-1][1]:.4f}")
     elapsed = progress.elapsed()
     sample = generate(model, args)

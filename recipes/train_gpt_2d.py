@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 recipes/train_gpt_2d.py            # 2 dp x 2 tp, bf16
     torchrun --standalone --nproc-per-node 4 recipes/train_gpt_2d.py --fp32     # fp32 params
+    torchrun --standalone --nproc-per-node 8 recipes/train_gpt_2d.py --device cuda --tp 4   # a GPU per rank
 
 Each tp group holds one copy of the model split by heads and MLP columns (gpt_tp_model.py);
 each weight piece is sharded again over the dp group (``partitioned(group=dp_group)``) and
@@ -19,6 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+import devices
 from chardata import VOCAB_SIZE, batch, load_splits
 from gpt_model import GPTConfig
 from gpt_tp_model import TPGPT
@@ -50,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--contiguous-buffers", action="store_true")
     ap.add_argument("--check-replicated", action="store_true", help="debug: verify the replicas")
     ap.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
+    devices.add_device_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -78,7 +81,8 @@ def build(args: argparse.Namespace, grid: ParallelGrid):
     tracker = seed_model_parallel(args.seed, grid.tp_group)  # per tp rank (dropout inside tp)
     policy = policy_of(args, grid, tracker)
     ckpt = partial(checkpoint, policy=policy) if args.checkpoint else None
-    with partitioned(group=grid.dp_group, dtype=torch.float32 if args.fp32 else torch.bfloat16):
+    device = devices.pick(args.device)
+    with partitioned(group=grid.dp_group, dtype=torch.float32 if args.fp32 else torch.bfloat16, device=device):
         model = TPGPT(config_of(args), grid.tp_group, tracker=tracker, seed=args.seed,
                       checkpoint_fn=ckpt)
     attach(model, group=grid.dp_group)
@@ -97,7 +101,7 @@ def local_batch(tokens: torch.Tensor, args: argparse.Namespace, step: int, grid:
                             torch.Generator().manual_seed(args.seed * 100_003 + step))
     per = args.batch_size // grid.dp_size
     rows = slice(grid.dp_rank * per, (grid.dp_rank + 1) * per)
-    return inputs[rows], targets[rows]
+    return devices.to(devices.pick(args.device), inputs[rows], targets[rows])
 
 
 def train_step(model, optimizer, policy, inputs, targets):
@@ -133,7 +137,7 @@ def train(args: argparse.Namespace, grid: ParallelGrid, tokens: torch.Tensor, lo
 def main(argv: list[str] | None = None) -> None:
     """torchrun entry point."""
     args = parse_args(argv)
-    dist.init_process_group("gloo")
+    devices.init(args.device)
     grid = ParallelGrid(args.tp)
     log = print if dist.get_rank() == 0 else None
     if log:

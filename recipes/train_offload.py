@@ -3,6 +3,7 @@
     torchrun --standalone --nproc-per-node 2 recipes/train_offload.py                 # 1.7B params
     torchrun --standalone --nproc-per-node 2 recipes/train_offload.py --params 350M --steps 8
     torchrun --standalone --nproc-per-node 1 recipes/train_offload.py --memory-budget-gib 5  # one process
+    torchrun --standalone --nproc-per-node 1 recipes/train_offload.py --device cuda  # GPU compute, states on disk
 
 Every rank keeps its parameter shards, their grads and AdamW's two moments in a
 ``parts.offload.DiskStore`` (scratch files under ``--store``, printed at start, removed at exit
@@ -27,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import devices
 import report
 from chardata import VOCAB_SIZE, batch, load_splits
 from gpt_model import GPT, GPTConfig
@@ -73,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     add("--io-threads", type=int, default=4, help="IO threads per rank's store")
     add("--inflight-mib", type=int, default=None,
         help="cap on bytes of store transfers outstanding; None: the budget's")
+    devices.add_device_flag(ap)
     return ap.parse_args()
 
 
@@ -181,7 +184,7 @@ def budget_rows(store: DiskStore, config: GPTConfig, world: int, knobs: dict[str
 def build(args: argparse.Namespace, store: DiskStore, knobs: dict[str, int]):
     torch.manual_seed(args.seed)
     config = config_of(args)
-    with partitioned(remote_device=None if args.in_memory else store):
+    with partitioned(device=devices.pick(args.device), remote_device=None if args.in_memory else store):
         model = GPT(config)
     attach(model, max_reuse_distance=0, persistence_threshold=4 * config.n_embd, **knobs)
     inner = torch.optim.AdamW(shards(model), lr=args.lr or lr_for(config), weight_decay=0.0)
@@ -193,7 +196,7 @@ def build(args: argparse.Namespace, store: DiskStore, knobs: dict[str, int]):
 
 
 def train_step(model, optimizer, schedule, tokens, gen, args) -> float:
-    x, y = batch(tokens, args.batch_size, args.seq_len, gen)
+    x, y = devices.to(devices.pick(args.device), *batch(tokens, args.batch_size, args.seq_len, gen))
     loss = model(x, y)
     in_backward = isinstance(optimizer, OffloadedOptimizer) and not args.after_backward
     with optimizer.step_in_backward() if in_backward else contextlib.nullcontext():
@@ -234,7 +237,7 @@ def io_delta(store: DiskStore, before) -> dict:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    device = devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     psi = count_params(config_of(args))
@@ -263,7 +266,8 @@ def main() -> None:
         print(f"built in {report.clock(built)}; RSS {snapshot().rss_bytes / 2**20:.0f} MiB on rank 0", flush=True)
     tokens, _ = load_splits(None)
     gen = torch.Generator().manual_seed(args.seed + rank)
-    first_batch = batch(tokens, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed + rank))
+    first_batch = devices.to(device, *batch(tokens, args.batch_size, args.seq_len,
+                                            torch.Generator().manual_seed(args.seed + rank)))
     timer, losses = CommTimer(), []
     for step in range(1, args.steps + 1):
         before, comm0, t0 = store.stats.snapshot(), timer.seconds, time.perf_counter()

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 recipes/zero1_bf16.py
     torchrun --standalone --nproc-per-node 2 recipes/zero1_bf16.py --steps 50 --clip 0.5
+    torchrun --standalone --nproc-per-node 8 recipes/zero1_bf16.py --device cuda   # a GPU per rank
 
 Every rank holds the whole bf16 model and sees its own batches. ``BF16Optimizer`` does what
 DDP and a mixed-precision optimizer would do together: backward accumulates each grad into
@@ -18,6 +19,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+import devices
 from chardata import VOCAB_SIZE, batch, load_splits
 from gpt_model import GPT, GPTConfig
 from parts.comm import all_gather_objects
@@ -37,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--clip", type=float, default=1.0, help="max global grad norm (0: off)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--data", default=None, help="a text file (default: Python stdlib sources)")
+    devices.add_device_flag(ap)
     return ap.parse_args()
 
 
@@ -71,12 +74,12 @@ def replicas_identical(model: torch.nn.Module) -> bool:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    device = devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # same seed everywhere: every replica starts identical
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=4, n_embd=args.n_embd)
-    model = GPT(config).to(torch.bfloat16)
+    model = GPT(config).to(device, torch.bfloat16)
     optimizer = BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1),
                               clip_grad=args.clip, named_parameters=model.named_parameters())
     train, _ = load_splits(args.data)
@@ -86,7 +89,7 @@ def main() -> None:
         print(f"GPT of {numel:,} bf16 parameters on {world} ranks, "
               f"{args.batch_size}x{args.seq_len} tokens per rank per step")
     for step in range(1, args.steps + 1):
-        inputs, targets = batch(train, args.batch_size, args.seq_len, generator)
+        inputs, targets = devices.to(device, *batch(train, args.batch_size, args.seq_len, generator))
         loss = model(inputs, targets)
         loss.backward()
         optimizer.step()

@@ -179,26 +179,30 @@ def check_generate(out: str, workdir: Path) -> None:
     assert "from_pretrained equal: True" in out and (workdir / "hf" / "model.safetensors").is_file(), out
 
 
+# every recipe but train_gpt (its default --device auto is the CPU here) runs with --device cpu
 CASES = [
     Case("train_gpt_2d", "train_gpt_2d.py",
-         ("--steps", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--fp32"),
+         ("--steps", "3", "--n-layer", "2", "--n-embd", "32", "--seq-len", "16", "--fp32", "--device", "cpu"),
          check_train_gpt_2d, nproc=4),
     # launched again by the two-machine and the resume tests
     Case("train_gpt", "train_gpt.py", TRAIN_GPT_TINY, check_train_gpt, no_numpy=True),
     Case("memory_probe", "memory_probe.py",
-         ("--nlayers", "6", "--hidden-dim", "256", "--dtype", "fp32", "--forwards", "1"), check_memory_probe),
-    Case("zero1_bf16", "zero1_bf16.py", ("--steps", "6"), check_zero1_bf16),
+         ("--nlayers", "6", "--hidden-dim", "256", "--dtype", "fp32", "--forwards", "1", "--device", "cpu"),
+         check_memory_probe),
+    Case("zero1_bf16", "zero1_bf16.py", ("--steps", "6", "--device", "cpu"), check_zero1_bf16),
     # shards and AdamW state on disk, the optimizer stepping during backward
     Case("train_offload", "train_offload.py",
-         ("--params", "25M", "--steps", "3", "--lr", "1e-4", "--store", "{workdir}/store"),
+         ("--params", "25M", "--steps", "3", "--lr", "1e-4", "--store", "{workdir}/store", "--device", "cpu"),
          check_train_offload),
     Case("checkpoint_only", "checkpoint_only.py",
-         ("--layers", "3", "--n-embd", "64", "--seq-len", "32", "--batch-size", "2"), check_checkpoint_only),
+         ("--layers", "3", "--n-embd", "64", "--seq-len", "32", "--batch-size", "2", "--device", "cpu"),
+         check_checkpoint_only),
     Case("finetune_from_state_dict", "finetune_from_state_dict.py",
          ("--steps", "4", "--n-layer", "2", "--n-embd", "64", "--seq-len", "32",
-          "--out", "{workdir}/tuned.pt"), check_finetune),
+          "--out", "{workdir}/tuned.pt", "--device", "cpu"), check_finetune),
     Case("generate", "generate.py", ("--steps", "2", "--tokens", "6", "--n-embd", "32", "--n-layer", "2",
-                                     "--seq-len", "16", "--export", "{workdir}/hf"), check_generate),
+                                     "--seq-len", "16", "--export", "{workdir}/hf", "--device", "cpu"),
+         check_generate),
 ]
 
 
@@ -447,3 +451,13 @@ def test_train_gpt_hybrid_on_two_machines_equals_full_sharding(launched) -> None
         assert abs(float(printed) - loss) <= 5.1e-5, (printed, loss)
     state = read_checkpoint(shared / "gpt.ckpt")
     assert (state["world_size"], state["step"]) == (4, 4)
+
+
+def test_device_flag_picks_the_cpu_without_cuda(monkeypatch) -> None:
+    """--device auto is the CPU where torch sees no GPU; --device cuda there says why it cannot run."""
+    monkeypatch.syspath_prepend(str(RECIPES))
+    import devices
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.pick("auto") == devices.pick("cpu") == torch.device("cpu")
+    with pytest.raises(SystemExit, match="--device cuda: this torch sees no CUDA device"):
+        devices.pick("cuda")

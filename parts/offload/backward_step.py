@@ -57,6 +57,7 @@ from parts.offload import landing, parking
 from parts.offload._norms import NORM_TYPES, grad_norms
 from parts.offload._batch import Batch, discard, discard_quietly, finish_quietly
 from parts.offload.spares import Spares
+from parts.offload.staging import staging
 
 
 class Steppable(Protocol):
@@ -165,6 +166,9 @@ class BackwardStep:
         if accumulate and parking.has_grad(p):  # earlier micro-batches' sum, in the store
             stored, handle = parking.load_grad(p, self.opt.spares.empty)
             self._reads[i][0].handles.append(handle)
+        fence = staging.fence(grad)  # a copy from the device filling it: the step waits for it
+        if fence is not None:
+            self._reads[i][0].handles.append(fence)
         self._grads[i] = (grad, stored, handle)
         parking.parked(p).consumed = partial(self.norms_of, i)
         while self.landed_bytes > self.window_bytes:
@@ -181,6 +185,7 @@ class BackwardStep:
     def _summed(self, i: int) -> torch.Tensor:
         """Landed grad ``i`` with the stored sum of earlier micro-batches added (its read waited)."""
         grad, stored, handle = self._grads[i]
+        staging.wait(grad)
         if stored is not None:
             handle.wait()
             landed, grad = grad, stored.add_(grad.detach().reshape(stored.shape))

@@ -10,6 +10,7 @@ import torch
 
 from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
 from parts.offload.parking import empty_for_io, parked
+from parts.offload.staging import staging
 
 _POOL = "_parts_reuse"  # on a grad buffer whose memory ``give_back`` returns to its store's ``reuse``
 
@@ -39,4 +40,5 @@ def give_back(buf: torch.Tensor) -> None:
     nothing may use ``buf`` or a view of it again); nothing for any other tensor."""
     pool = getattr(buf, "__dict__", {}).pop(_POOL, None)
     if pool is not None:
+        staging.wait(buf)  # a copy from the device may still fill it
         pool.give(buf.untyped_storage())

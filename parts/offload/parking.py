@@ -31,7 +31,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from parts._compat import can_swap_storage_data, swap_storage_data
 from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
+from parts.offload.staging import staging
 from parts.offload.store import DiskStore, IOHandle
 
 _ATTR = "_parts_parked"
@@ -152,12 +154,23 @@ def _refill(t: torch.Tensor, record: Parked) -> None:
     direct IO needs no copy; ``set_`` moves its start, which bumps its version counter)."""
     storage = t.untyped_storage()
     extra = ALIGN if worth_aligning(record.nbytes) else 0
-    record.store.reuse.fill(storage, record.nbytes + extra)
+    _fill(storage, record.store, record.nbytes + extra)
     skip = (-storage.data_ptr()) % ALIGN
     offset = skip // t.element_size() if extra and skip % t.element_size() == 0 else 0
     if offset != t.storage_offset():
         with torch.no_grad():
             t.set_(storage, offset, t.shape, t.stride())
+
+
+def _fill(storage: torch.UntypedStorage, store: DiskStore, nbytes: int) -> None:
+    """Give empty ``storage`` ``nbytes``: a block the store's ``reuse`` kept, else fresh memory,
+    pinned where an accelerator exists (its copies to the device then run asynchronously)."""
+    if store.reuse.take_into(storage, nbytes):
+        return
+    if staging.pins() and can_swap_storage_data() and storage.nbytes() == 0:
+        swap_storage_data(storage, staging.host_empty(nbytes, torch.uint8).untyped_storage())
+    else:
+        storage.resize_(nbytes)
 
 
 def prefetch(t: torch.Tensor, urgent: bool = False) -> None:
@@ -197,6 +210,7 @@ def drop(t: torch.Tensor) -> None:
     if record.pending is not None:
         load(t)
     _wait_save(record)
+    staging.wait(t)  # a copy to the device may still read the memory
     record.store.reuse.give(t.untyped_storage())
     record.resident = record.wanted = False
 
@@ -331,6 +345,7 @@ def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True
     if accumulate and record.grad_dtype is not None:
         current = empty_for_io(t.shape, record.grad_dtype)
         record.store.read(record.grad_key, current).wait()
+        staging.wait(part)  # a copy from the device may still fill it
         current.add_(part.to(current.device))
         part = current
     record.grad_dtype = part.dtype

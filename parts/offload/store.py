@@ -51,6 +51,7 @@ from parts.offload._fileio import ALIGN, round_up
 from parts.offload._fileio import DiskFullError as DiskFullError  # raised by writes: part of the store
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
+from parts.offload.staging import staging
 from parts.offload._budget import store_budget
 
 
@@ -165,7 +166,7 @@ class DiskStore:
             entry = self._index[key] = self._new_entry(src.numel())
         self._reserve(entry, src.numel())
         entry.nbytes = src.numel()
-        return self._submit(entry, key, src, writing=True)
+        return self._submit(entry, key, src, writing=True, fence=staging.fence(tensor))
 
     def read(self, key: str, out: torch.Tensor, urgent: bool = False) -> IOHandle:
         """Fill ``out`` (contiguous, CPU, exactly the stored byte size) with the bytes stored under
@@ -310,7 +311,7 @@ class DiskStore:
         entry.reserved = need
 
     def _submit(self, entry: _Entry, key: str, data: torch.Tensor, writing: bool,
-                urgent: bool = False) -> IOHandle:
+                urgent: bool = False, fence: Any = None) -> IOHandle:
         n = data.numel()
         starts = list(range(0, n, self.block_bytes))
         op = Op(len(starts), n, key, entry.last, writing, urgent)
@@ -322,7 +323,7 @@ class DiskStore:
             return IOHandle(op, self)
         path = os.path.join(self.directory, entry.file)
         # each piece's view in a list the IO thread empties: once waited, the store holds no view
-        self._queue.submit(op, [partial(self._run, op, path, [data[start:start + self.block_bytes]], start)
+        self._queue.submit(op, [partial(self._run, op, path, [data[start:start + self.block_bytes]], start, fence)
                                 for start in starts])
         return IOHandle(op, self)
 
@@ -336,9 +337,10 @@ class DiskStore:
             self.stats.wait_seconds += now - start  # a caller blocked by the in-flight cap waits too
             self._meter.submitted(writing, now)
 
-    def _run(self, op: Op, path: str, holder: list, offset: int) -> None:
-        """One piece on an IO thread (queued once the key's previous operation finished); the
-        piece is let go before the operation is marked done (the caller may free it after ``wait``)."""
+    def _run(self, op: Op, path: str, holder: list, offset: int, fence: Any = None) -> None:
+        """One piece on an IO thread (queued once the key's previous operation finished), after
+        the ``fence`` of a copy from an accelerator that fills its memory; the piece is let go
+        before the operation is marked done (the caller may free it after ``wait``)."""
         piece, writing = holder.pop(), op.writing
         with self._lock:
             start = time.perf_counter()
@@ -348,6 +350,8 @@ class DiskStore:
                 raise OSError(f"DiskStore: key {op.key!r} cannot be read: its last write failed "
                               f"({op.after.error})")
             if op.error is None:
+                if fence is not None:
+                    fence.wait()
                 self._transfer(path, piece, offset, writing)
         except BaseException as e:  # handed to the waiter, never lost
             op.error = op.error or _named(e, op.key, writing)

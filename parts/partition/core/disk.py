@@ -34,6 +34,7 @@ import torch
 
 from parts.offload import landing, parking
 from parts.offload.lease import Stored, stored_of_parked
+from parts.offload.staging import staging
 from parts.offload.store import DiskStore
 
 READ_AHEAD_FACTOR = 2
@@ -77,21 +78,35 @@ def parked_version(shard: torch.Tensor) -> Optional[int]:
 
 
 def grad_buffer(shard: torch.Tensor, numel: int, dtype: torch.dtype,
-                alloc: Callable[[int, torch.dtype], torch.Tensor]) -> torch.Tensor:
-    """A fresh 1-D tensor for ``shard``'s reduce-scattered grad: ``alloc(numel, dtype)``, or for a
-    parked shard an aligned one (its store writes it as is) whose memory the store's reuse pool
-    may give (``landing.grad_buffer``; the step during backward gives it back)."""
-    if parking.parked(shard) is None or shard.device.type != "cpu":
+                alloc: Callable[[int, torch.dtype], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A fresh 1-D tensor for ``shard``'s reduce-scattered grad on the compute ``device``:
+    ``alloc(numel, dtype)`` (there), or on the CPU for a parked shard an aligned one (its store
+    writes it as is) whose memory the store's reuse pool may give (``landing.grad_buffer``; the
+    step during backward gives it back). On an accelerator the grad lands there and goes to
+    the host in ``accumulate_grad``."""
+    if parking.parked(shard) is None or shard.device.type != "cpu" or staging.streams.accelerated(device):
         return alloc(numel, dtype)
     return landing.grad_buffer(shard, numel, dtype, alloc)
 
 
 def accumulate_grad(shard: torch.Tensor, part: torch.Tensor, accumulate: bool) -> bool:
-    """Add ``part`` into a parked shard's grad in the store; False (nothing done) if not parked."""
+    """Add ``part`` into a parked shard's grad in the store; False (nothing done) if not parked.
+    A ``part`` on an accelerator is copied into an aligned, pinned host block off the compute
+    stream first (``staging.to_host``); whoever reads the block waits for the copy."""
     if parking.parked(shard) is None:
         return False
+    if staging.wants_host(part):
+        host = landing.grad_buffer(shard, part.numel(), part.dtype, staging.host_empty)
+        part = staging.to_host(part, host)
     parking.accumulate_grad(shard, part, accumulate)
     return True
+
+
+def to_device(shard: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``shard`` on the compute ``device`` in ``dtype`` for its all-gather: from host memory to an
+    accelerator on a copy stream (the shard's memory is not reused before the copy is done),
+    else ``shard.to(device, dtype, non_blocking=True)``."""
+    return staging.to_device(shard, device, dtype)
 
 
 def clear_grad(shard: torch.Tensor) -> None:

@@ -92,7 +92,7 @@ def _launch(pairs: Pairs, info: GroupInfo, async_op: bool, pool: Optional[Storag
             shard = m.shard
             sent = shard.dtype if codec is not None else dtype  # codes are made from the fp32 master
             sends.append(shard if shard.dtype == sent and shard.device == m.device
-                         else shard.to(m.device, sent, non_blocking=True))
+                         else disk.to_device(shard, m.device, sent))
         full = _full_for(m, pool, dtype, current)
         fulls.append(full if full[0] is not current else (None, full[1]))  # refilled in place: as is
     outs = [flat for _, flat in fulls]

@@ -136,7 +136,7 @@ def _receive_buffers(pairs: list, dtypes: list[torch.dtype]) -> list[torch.Tenso
                                      and m.device == pairs[0][1].device for _, m in pairs):
         sizes = [m.layout.shard_numel for _, m in pairs]
         return list(torch.split(alloc(sum(sizes), dtypes[0], pairs[0][1].device), sizes))
-    return [disk.grad_buffer(m.shard, m.layout.shard_numel, d, partial(alloc, device=m.device))
+    return [disk.grad_buffer(m.shard, m.layout.shard_numel, d, partial(alloc, device=m.device), m.device)
             for (_, m), d in zip(pairs, dtypes)]
 
 

@@ -102,10 +102,13 @@ def write_shard(shard: torch.Tensor, flat: torch.Tensor, layout: ShardLayout, ra
 
 
 def _new_shard(p_flat: torch.Tensor, layout: ShardLayout, spec: ShardSpec, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, compute: torch.device) -> torch.Tensor:
+    """This rank's shard in ``device`` memory: pinned host memory where it is asked for, or where
+    the shard is in host memory for an accelerator's compute (its copies there run asynchronously)."""
     shard = alloc(layout.shard_numel, dtype, device)
     write_shard(shard, p_flat, layout, spec.info.rank)
-    if spec.pin_memory and device.type == "cpu" and _has_accelerator():
+    for_accelerator = compute.type not in ("cpu", "meta") and disk.store_of(spec.remote_device) is None
+    if (spec.pin_memory or for_accelerator) and device.type == "cpu" and _has_accelerator():
         shard = shard.pin_memory()
     return shard
 
@@ -182,7 +185,7 @@ def _finish(name: str, p: nn.Parameter, flat: torch.Tensor, shape: torch.Size, p
     """Build the record for ``p`` from its full flat values; ``p.data`` stays empty."""
     sdtype, dev, sdev = spec.shard_dtype(p), spec.compute_device(p), spec.storage_device(p)
     layout = ShardLayout(shape.numel(), spec.info.world_size)
-    shard = _new_shard(flat, layout, spec, sdtype, sdev)
+    shard = _new_shard(flat, layout, spec, sdtype, sdev, dev)
     if disk.store_of(spec.remote_device) is not None:
         disk.park_shard(shard, spec.remote_device, pid, name)
     record = ParamMeta(name=name, shape=shape, dtype=sdtype, layout=layout, shard=shard,

@@ -1,0 +1,58 @@
+"""Where a recipe runs: ``--device auto|cpu|cuda``, the process group for it, inputs moved there.
+
+``auto`` is CUDA with NCCL where torch sees a CUDA device, else the CPU with gloo. On CUDA each
+rank computes on the GPU of its ``LOCAL_RANK`` (``torch.cuda.set_device``), so
+``torchrun --nproc-per-node N`` puts one rank on each of a node's first N GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+CHOICES = ("auto", "cpu", "cuda")
+
+
+def add_device_flag(parser: argparse.ArgumentParser) -> None:
+    """Add ``--device auto|cpu|cuda`` to a recipe's flags."""
+    parser.add_argument("--device", choices=CHOICES, default="auto",
+                        help="auto: cuda (NCCL, one GPU per rank by LOCAL_RANK) where torch sees a GPU, "
+                             "else cpu (gloo)")
+
+
+def pick(choice: str) -> torch.device:
+    """The device this rank computes on for ``--device choice`` (a CUDA one is made current)."""
+    if choice not in CHOICES:
+        raise SystemExit(f"--device {choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is "
+                         "False); use --device cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    if index >= torch.cuda.device_count():
+        raise SystemExit(f"--device cuda: LOCAL_RANK={index} but this node has "
+                         f"{torch.cuda.device_count()} CUDA device(s); run at most that many ranks per node")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init(choice: str) -> torch.device:
+    """Start the default process group for ``--device choice`` (NCCL on CUDA, gloo on the CPU)
+    and return this rank's device."""
+    device = pick(choice)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return device
+
+
+def to(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` on ``device`` (the same tensors on the CPU)."""
+    return tuple(t.to(device, non_blocking=True) for t in tensors)

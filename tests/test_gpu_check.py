@@ -1,0 +1,69 @@
+"""The one-GPU check (benchmarks/gpu_check.py) in its CPU mode: every stage that applies on the CPU
+passes, and the driver kills a stage that outlives its timeout and still writes its JSON."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import run
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+EXPECTED_PASS = {"equivalence.per_module", "equivalence.default_knobs", "mixed_precision.vs_fsdp2",
+                 "checkpoint_rng.dropout_replayed", "dcp_resume.bitwise", "offload.disk_after_backward",
+                 "offload.disk_in_backward", "offload.host_memory", "beyond.states_exceed_device_memory"}
+
+
+def body_world1_stages():
+    import gpu_checks
+    import gpu_runs
+    ctx = gpu_checks.Context("cpu", tempfile.mkdtemp())
+    for stage in (gpu_checks.stage_w1, gpu_checks.stage_offload, gpu_checks.stage_audit, gpu_runs.stage_beyond,
+                  lambda c: gpu_runs.stage_perf(c, "parts")):
+        stage(ctx)
+    return ctx.checks
+
+
+def body_pair():
+    import gpu_checks
+    import gpu_runs
+    ctx = gpu_checks.Context("cpu", tempfile.mkdtemp())
+    gpu_runs.stage_pair(ctx)
+    return ctx.checks
+
+
+def test_cpu_mode_stages_pass():
+    checks = {c["check"]: c for c in run(1, body_world1_stages, timeout=120)[0]}
+    assert not [c for c in checks.values() if c["status"] == "FAIL"], checks
+    assert all(checks[name]["status"] == "PASS" for name in EXPECTED_PASS), checks
+    assert checks["sync_count"]["status"] == "SKIP" and checks["perf.parts"]["status"] == "INFO"
+    audit = [c for name, c in checks.items() if name.startswith("audit")]
+    assert audit and all(c["status"] == "PASS" or "not available" in c["detail"] for c in audit), audit
+
+
+def test_two_ranks_on_one_device_equal_one_process():
+    for checks in run(2, body_pair, timeout=120):
+        by_name = {c["check"]: c for c in checks}
+        assert by_name["pair.gloo_path"]["status"] == "PASS", checks
+        nccl = by_name["pair.nccl_path"]
+        assert nccl["status"] == "PASS" or "not available" in nccl["detail"], checks
+
+
+def test_driver_kills_a_hung_stage_and_records_the_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--mode", "cpu", "--only", "env,hang",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr  # the hung stage failed
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    stages = {s["stage"]: s for s in result["stages"]}
+    assert result["device"] == "cpu" and stages["env"]["status"] == "INFO"
+    assert stages["hang"]["status"] == "FAIL" and "timed out after 2 s" in stages["hang"]["checks"][-1]["detail"]
+    assert stages["hang"]["seconds"] < 30
+    from render_results import latest_runs, render
+    text = render(latest_runs(tmp_path))
+    assert "## gpu_check" in text and "- device: cpu" in text and "timed out" in text
