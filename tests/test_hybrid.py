@@ -10,7 +10,7 @@ from torch import nn
 
 from harness import run
 
-STEPS, LR, MICRO = 3, 0.1, 2
+STEPS, LR = 3, 0.1
 
 
 def _model() -> nn.Module:
@@ -63,26 +63,30 @@ def _reference(steps: int, micro: int, world: int, clip: float = 0.0) -> tuple[d
 
 def _train(replicas, steps: int = STEPS, micro: int = 1, sync: str = "step", clip: float = 0.0):
     """Train on this rank's rows of each batch (``micro`` micro-batches of 2 rows); the full
-    state on rank 0, the grad norms, and the cross-replica all-reduce bytes per group."""
+    state on rank 0, the grad norms, and the cross-replica all-reduce bytes per group. ``sync``:
+    "step" or "backward" (``set_replica_sync``), "default" (nothing said), "no_sync" (the
+    default, every micro-batch but the last under ``no_sync``)."""
+    import contextlib
     import torch.distributed as dist
     from parts.comm import comm_counter
     from parts.comm.counter import ledger_since
-    from parts.partition import attach, clip_grad_norm_, full_state_dict, partitioned, set_replica_sync, shards
+    from parts.partition import attach, clip_grad_norm_, full_state_dict, no_sync, partitioned, set_replica_sync, shards
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)  # every rank seeds differently: all start from rank 0's values
     with partitioned(**_layout(replicas)):
         model = _model()
     coordinator = attach(model, persistence_threshold=100)
-    set_replica_sync(coordinator, "step" if sync == "last" else sync)
+    if sync in ("step", "backward"):
+        set_replica_sync(coordinator, sync)
     opt = torch.optim.SGD(shards(model), lr=LR)
     before, norms = comm_counter.by_group(), []
     for x, y in _batches(steps, 2 * micro * world):
         xs, ys = x.chunk(world * micro), y.chunk(world * micro)
         for k in range(micro):
             i = rank * micro + k
-            if sync == "last":  # overlapped with the last micro-batch's backward only
-                set_replica_sync(coordinator, "backward" if k == micro - 1 else "step")
-            (nn.functional.mse_loss(model(xs[i]), ys[i]) / micro).backward()
+            deferred = sync == "no_sync" and k < micro - 1
+            with no_sync(model) if deferred else contextlib.nullcontext():
+                (nn.functional.mse_loss(model(xs[i]), ys[i]) / micro).backward()
         norms.append(float(clip_grad_norm_(model, clip if clip else 1e9)))
         opt.step()
         opt.zero_grad()
@@ -104,7 +108,7 @@ def test_hybrid_layouts_equal_full_sharding_and_plain_torch():
         assert hybrid[1] == hybrid[1] and all(abs(a - b) < 1e-5 * b for a, b in zip(hybrid[1], ref_norms))
         if replicas == 2:  # explicit groups are the mesh's, and the mean overlapped with backward: bitwise
             groups = run(4, _train, "groups")[0]
-            overlapped = run(4, _train, 2, sync="backward")[0]
+            overlapped = run(4, _train, 2, sync="default")[0]
             assert all(torch.equal(groups[0][k], hybrid[0][k]) for k in ref)
             assert all(torch.equal(overlapped[0][k], hybrid[0][k]) for k in ref)
     one_by_four = run(4, _train, 1)[0]
@@ -139,24 +143,27 @@ def test_norms_agree_on_every_rank_and_with_the_unsharded_norm():
         torch.testing.assert_close(out[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
 
 
-def test_accumulation_all_reduces_across_replicas_once_per_step_and_equals_one_big_batch():
-    ref, _ = _reference(2, MICRO, 4)
-    deferred = run(4, _train, 2, steps=2, micro=MICRO)
-    eager = run(4, _train, 2, steps=2, micro=MICRO, sync="backward")
-    last = run(4, _train, 2, steps=2, micro=MICRO, sync="last")
+def test_accumulation_under_no_sync_means_once_per_step_bitwise_as_the_step_mode():
+    micro = 4
+    ref, _ = _reference(2, micro, 4)
+    deferred = run(4, _train, 2, steps=2, micro=micro)  # set_replica_sync(model, "step")
+    eager = run(4, _train, 2, steps=2, micro=micro, sync="default")  # nothing said: a mean per micro-batch
+    told = run(4, _train, 2, steps=2, micro=micro, sync="no_sync")
     for k in ref:
         torch.testing.assert_close(deferred[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(eager[0][0][k], ref[k], rtol=1e-5, atol=1e-6)
-        assert torch.equal(last[0][0][k], deferred[0][0][k])
-    assert last[0][2]["0,2"] == deferred[0][2]["0,2"]  # the same bytes across replicas
+        torch.testing.assert_close(eager[0][0][k], deferred[0][0][k], rtol=1e-6, atol=1e-7)
+        assert torch.equal(told[0][0][k], deferred[0][0][k])
     replica_group = "0,2"  # rank 0's column of the 2 x 2 mesh
     per_step = deferred[0][2][replica_group]["all_reduce_bytes"] / 2  # across replicas
-    assert per_step == eager[0][2][replica_group]["all_reduce_bytes"] / 2 / MICRO  # 1/MICRO of eager's
     assert per_step == 4 * sum(-(-v.numel() // 2) for v in ref.values())  # each fp32 grad shard once
+    assert told[0][2][replica_group]["all_reduce_bytes"] / 2 == per_step
+    assert eager[0][2][replica_group]["all_reduce_bytes"] / 2 == micro * per_step
+    calls = told[0][2][replica_group]["all_reduce_calls"]  # the last backward's buckets, once per step
+    assert calls * micro == eager[0][2][replica_group]["all_reduce_calls"]
     step = deferred[0][3]  # stats() of the last micro-batch: gathers and reduce-scatters in the
     assert step["0,1"]["allgather_bytes"] > 0 and step["0,1"]["reduce_scatter_bytes"] > 0  # shard group
     assert replica_group not in step  # nothing crossed replicas since the micro-batch before
-    assert set(eager[0][3][replica_group]) == {"all_reduce_bytes", "all_reduce_calls"}  # each backward
+    assert set(told[0][3][replica_group]) == {"all_reduce_bytes", "all_reduce_calls"}  # in the last backward
 
 
 def _dcp_round(path: str, replicas, save: bool) -> dict:

@@ -13,6 +13,9 @@ For a parts model both are parts' jobs, so here:
   under a ``"bf16"`` accelerator raises: it would train in fp32 silently.
 - the model is registered with the accelerator but neither DDP-wrapped nor autocast;
 - an optimizer built over ``model.parameters()`` steps the shards instead (``use_shards``);
+- ``accelerator.no_sync(model)`` (what ``accelerator.accumulate(model)`` and Trainer's
+  gradient accumulation enter for every micro-batch but the last) is ``parts.partition.no_sync``:
+  a hybrid layout sends its cross-replica mean once per step, with the last micro-batch's backward;
 - ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` clips by the global norm over
   every rank's grad shards (``parts.partition.clip_grad_norm_``);
 - ``accelerator.get_state_dict(model)`` is the full weights on rank 0 (``full_state_dict``);
@@ -38,9 +41,10 @@ drop-in ``accelerate.Accelerator``), or keep your own accelerator and call
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import accelerate
 import torch
@@ -140,7 +144,7 @@ def _checkpointing(accelerator: Any) -> _Checkpointing:
 
 
 class PartsAcceleratorMixin:
-    """accelerate's public ``prepare_model`` / ``prepare_optimizer`` / ``clip_grad_norm_`` /
+    """accelerate's public ``prepare_model`` / ``prepare_optimizer`` / ``no_sync`` / ``clip_grad_norm_`` /
     ``get_state_dict`` / ``save_state`` / ``load_state`` for parts models."""
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
@@ -174,6 +178,15 @@ class PartsAcceleratorMixin:
             prepared.__class__ = _ShardedAcceleratedOptimizer
             prepared.parts_accelerator = self
         return prepared
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """A parts model's micro-batches inside leave the cross-replica mean to the last one
+        (``parts.partition.no_sync``); any other model gets accelerate's ``no_sync``."""
+        coordinator = attached_to(self.unwrap_model(model)) if is_parts_model(self.unwrap_model(model)) else None
+        context = coordinator.no_sync() if coordinator is not None else super().no_sync(model)
+        with context:
+            yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:

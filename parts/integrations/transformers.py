@@ -11,6 +11,9 @@ included), it differs from transformers' ``Trainer`` only where a sharded model 
 - the model is attached (``parts.partition.attach``) unless it already is, with
   ``bf16=True`` as ``parts.partition.MixedPrecision`` (``fp16`` raises); its accelerator
   gets ``parts.integrations.accelerate.PartsAcceleratorMixin``, so it is never wrapped in DDP;
+- with ``gradient_accumulation_steps`` > 1 every micro-batch but the last runs under
+  ``parts.partition.no_sync`` (through the accelerator's ``no_sync``): a hybrid layout averages
+  its grads across replicas once per step, overlapped with the last micro-batch's backward;
 - the optimizer Trainer builds (its ``optim``, learning rate, weight-decay groups, scheduler)
   steps ``shards(model)``; gradient clipping and the logged ``grad_norm`` are the global norm
   over every rank's grad shards (``parts.partition.clip_grad_norm_`` / ``grad_norm``);

@@ -45,7 +45,8 @@ from parts.partition.interop.sharded_optim import (load_sharded_optimizer_state_
                                                    sharded_optimizer_state_dict)
 from parts.partition.interop.sharded_state import load_sharded_state_dict, sharded_state_dict
 from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, RankDivergence, attach,
-                                         detach, refresh, register_external_parameter, set_replica_sync)
+                                         detach, no_sync, refresh, register_external_parameter,
+                                         set_replica_sync)
 from parts.partition.coordinator.generating import generating
 from parts.partition.whole import route
 
@@ -60,6 +61,7 @@ __all__ = [
     "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict",
     "CommCounter", "comm_counter",
     "FetchCoordinator", "attach", "detach", "register_external_parameter", "refresh", "set_replica_sync",
+    "no_sync",
     "RankDivergence", "CoordinatorStats", "MixedPrecision", "Compression",
     "clip_grad_norm_", "grad_norm", "load_pretrained", "num_parameters", "resize_token_embeddings",
     "compile_blocks", "uncompile_blocks",

@@ -1,9 +1,9 @@
 """The module-level entry points of the coordinator: ``attach``, ``detach``,
-``register_external_parameter``, ``refresh``, ``set_replica_sync``."""
+``register_external_parameter``, ``refresh``, ``set_replica_sync``, ``no_sync``."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, ContextManager, Optional, Union
 
 from torch import nn
 
@@ -54,13 +54,25 @@ def refresh(module: nn.Module) -> None:
 
 
 def set_replica_sync(module_or_coordinator: Union[nn.Module, FetchCoordinator], when: str) -> None:
-    """Hybrid layouts: when grad shards are averaged across replicas. ``"step"`` (the default):
-    once, right before an optimizer step or a norm reads them, so gradient accumulation pays the
-    cross-replica bytes once per step; ``"backward"``: at the end of every backward."""
+    """Hybrid layouts: when grad shards are averaged across replicas. ``"backward"`` (the
+    default): during every backward, each bucket as soon as its reduce-scatter landed, except in
+    backwards under ``no_sync``; ``"step"``: once, right before an optimizer step or a norm reads
+    them, whatever the loop says (one mean per step, never overlapped with backward)."""
     if when not in ("step", "backward"):
         raise ValueError(f"set_replica_sync: when must be 'step' or 'backward', got {when!r}")
+    _attached_coordinator(module_or_coordinator, "set_replica_sync").reducer.replica_sync = when
+
+
+def no_sync(module_or_coordinator: Union[nn.Module, FetchCoordinator]) -> ContextManager[None]:
+    """DDP's ``no_sync`` for a hybrid layout: micro-batches run inside leave their cross-replica
+    mean to the first backward outside (or the optimizer step), so gradient accumulation sends
+    it once per step; results are bitwise those of ``set_replica_sync(model, "step")``."""
+    return _attached_coordinator(module_or_coordinator, "no_sync").no_sync()
+
+
+def _attached_coordinator(module_or_coordinator: Union[nn.Module, FetchCoordinator], caller: str) -> FetchCoordinator:
     coordinator = (module_or_coordinator if isinstance(module_or_coordinator, FetchCoordinator)
                    else attached_to(module_or_coordinator))
     if coordinator is None or coordinator._root is None:
-        raise RuntimeError("set_replica_sync: no attached FetchCoordinator; call attach(model) first")
-    coordinator.reducer.replica_sync = when
+        raise RuntimeError(f"{caller}: no attached FetchCoordinator; call attach(model) first")
+    return coordinator

@@ -29,10 +29,11 @@ and raises ``RankDivergence`` on every rank, naming what each rank was doing, in
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -103,6 +104,7 @@ class FetchCoordinator:
                            reduce_bucket_size, cache_freed_storage, fetch_unit_size)
         self._state: Optional[Attached] = None  # while attached
         self._last: Optional[CoordinatorStats] = None  # the stats of a detached coordinator's last step
+        self._no_sync = 0  # depth of no_sync() contexts entered
 
     @property
     def _root(self) -> Optional[nn.Module]:
@@ -135,6 +137,17 @@ class FetchCoordinator:
         for sub in self.table.modules:  # fetched by the hooks: the construction-time check is not needed
             drop_forward_check(sub)
         return self
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Hybrid layouts: the backwards of steps begun inside (DDP's ``no_sync``) leave their
+        cross-replica mean to the next backward outside (or the optimizer step): under gradient
+        accumulation it crosses once per step. Reduce-scatters within the shard group run as always."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
 
     def _records(self) -> list:
         return [meta(p) for p in self.table.params.values()]
@@ -251,6 +264,7 @@ class FetchCoordinator:
         phase = phase_name(module.training, torch.is_grad_enabled())
         if not self.steps.active(phase):
             self.steps.begin(phase)
+            self.steps.current[phase].no_sync = self._no_sync > 0
         if not in_backward():
             self.live.forwards += 1
         return phase
@@ -352,6 +366,8 @@ class FetchCoordinator:
         self._follow_requires_grad()
         if not self.steps.active(phase):
             self.steps.begin(phase)
+        step = self.steps.get(phase)
+        self.reducer.deferred = self._no_sync > 0 or (step is not None and step.no_sync)
         self.watch.begin(self._end_backward)
 
     def _follow_requires_grad(self) -> None:

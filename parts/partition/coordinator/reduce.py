@@ -6,6 +6,11 @@ of reduce-scatters (the core's ``reduce_scatter_grads``), async with ``overlap_c
 runs while backward computes the next bucket. At most two buckets are in flight; ``flush``
 at the end of backward reduces the rest and waits until every grad shard has landed. The
 grads of the flat persistent params (flat.py) are reduce-scattered there, as one.
+
+In a hybrid layout each bucket's cross-replica mean is issued as soon as its reduce-scatter
+landed and runs while backward goes on (``replica_sync`` "backward", the default), unless this
+backward runs under ``no_sync`` (``deferred``): then the grad shards stay pending, summed over
+micro-batches, and the next backward outside it (or the optimizer step) averages them once.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ class GradReducer:
         self._pending: list[nn.Parameter] = []  # complete full grads awaiting reduce-scatter
         self._pending_numel = 0
         self._reducing: list[tuple[Waitable, list]] = []  # reduce-scatters in flight (overlap_comm), their records
-        self.replica_sync = "step"  # hybrid layouts: the cross-replica mean at the step, or each backward
+        self.replica_sync = "backward"  # hybrid layouts: the cross-replica mean in each backward, or at the step
+        self.deferred = False  # this backward runs under no_sync: its cross-replica mean waits
         self.replicating = InFlight()  # with "backward": cross-replica all-reduces issued as buckets land
 
     def follow(self, force: bool = False) -> None:
@@ -74,10 +80,14 @@ class GradReducer:
         self._pending += [p for p in scan if raw_grad(p) is not None and id(p) not in pending]
         self._reduce(step)
         self.wait(replicate=False)
-        if self.replica_sync == "backward":  # the last bucket with the flat ones and any earlier ones
+        if self.overlaps():  # the last bucket with the flat ones and any earlier ones
             self.replicating.start(self.table.records.values())
             self.replicating.finish()
             sync_replica_grads(self.table.records.values())  # what arrived since
+
+    def overlaps(self) -> bool:
+        """True if this backward issues the cross-replica means as the buckets land."""
+        return self.replica_sync == "backward" and not self.deferred
 
     def _reduce(self, step: Optional[StepState]) -> None:
         """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
@@ -113,5 +123,5 @@ class GradReducer:
         reducing, self._reducing = self._reducing, []
         for handle, records in reducing:
             handle.wait()
-            if replicate and self.replica_sync == "backward":  # runs while backward goes on
+            if replicate and self.overlaps():  # runs while backward goes on
                 self.replicating.start(records)

@@ -32,6 +32,7 @@ class StepState:
     seq: int = 0  # debug mode: number of the next checked event of the step
     pending_backward: bool = False
     number: int = 0  # this step's index among the steps of its phase (0, 1, ...)
+    no_sync: bool = False  # begun inside FetchCoordinator.no_sync(): its backward defers the replica mean
 
     def next_use(self, pid: int) -> Optional[int]:
         """Trace position of ``pid``'s next use after the current one (None: unknown or never)."""
