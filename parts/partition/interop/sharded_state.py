@@ -24,7 +24,8 @@ from torch import nn
 from parts._compat import incompatible_keys
 from parts.partition.core import disk, points
 from parts.partition.core.gather import gather
-from parts.partition.core.param import ParamMeta, ParamStatus, internal, is_partitioned, meta, metas_sorted
+from parts.partition.core.param import (ParamMeta, ParamStatus, internal, is_partitioned, is_stale, meta, metas_sorted,
+                                        stamp)
 
 
 def _dcp():
@@ -61,6 +62,30 @@ def own_shard(m: ParamMeta) -> Any:
     return m.shard if stored is None else stored
 
 
+def adopt_edit(key: str, p: nn.Parameter) -> None:
+    """Write into ``p``'s shard this rank's part of an in-place edit of its gathered (current)
+    full tensor, such as peft's ``merge_and_unload`` on weights an attached model keeps gathered:
+    every rank made the same edit, so the shards hold it. An edit of a copy in another dtype than
+    the shard (mixed precision) raises: it would lose the shard's precision."""
+    m = meta(p)
+    if (m.status is not ParamStatus.AVAILABLE or is_stale(m) or m.compression is not None
+            or disk.stored(m.shard) is not None or p.data.numel() != m.numel):
+        return
+    start, mine = real_shard(m, m.shard)
+    seen = p.data.reshape(-1).narrow(0, start, mine.numel())
+    if torch.equal(seen, mine.to(seen.dtype)):
+        return
+    if seen.dtype != mine.dtype:
+        raise RuntimeError(
+            f"parts.partition: the gathered {seen.dtype} copy of '{key}' ({m.describe()}) was edited in place "
+            f"(e.g. peft's merge_and_unload) but its shards are {mine.dtype}: the edit would not reach them. "
+            f"Edit weights inside `with parts.partition.gathered(params, modifier_rank=0):`, or call "
+            f"parts.partition.refresh(model) to drop the edit")
+    with torch.no_grad():
+        mine.copy_(seen)
+    stamp(m)
+
+
 @internal
 def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     """Every entry of ``model.state_dict()``, sharded parameters as DCP views of this rank's shard."""
@@ -68,6 +93,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if is_partitioned(value):
+            adopt_edit(key, value)
             out[key] = shard_view(meta(value), own_shard(meta(value)), key)
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach()
