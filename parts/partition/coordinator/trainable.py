@@ -8,10 +8,9 @@ of the flags finds a difference; only then are the flags exchanged, to name the 
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from parts.comm import GroupInfo, ReduceOp, all_gather_objects, all_reduce, comm_device
+from parts.comm import GroupInfo, all_gather_objects, same_everywhere
 
 
 class TrainableCheck:
@@ -24,15 +23,8 @@ class TrainableCheck:
         """Raise a ValueError on every rank, naming a parameter, if ranks set ``requires_grad`` otherwise."""
         flags = tuple(p.requires_grad for p in self.params)
         for info in self.scopes:
-            if info.world_size > 1 and not _alike(hash(flags), info):
+            if info.world_size > 1 and not same_everywhere(hash(flags), info):
                 _raise(all_gather_objects(flags, info.group), self.names, info)
-
-
-def _alike(code: int, info: GroupInfo) -> bool:
-    """True if ``code`` is the same on every rank of ``info`` (one all-reduce of its max and -min)."""
-    both = torch.tensor([code, -code], dtype=torch.int64, device=comm_device(info))
-    all_reduce(both, info, ReduceOp.MAX)
-    return int(both[0]) == -int(both[1])
 
 
 def _raise(every: list[tuple], names: list[str], info: GroupInfo) -> None:
