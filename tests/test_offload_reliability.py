@@ -336,3 +336,45 @@ def test_scratch_space_is_cleaned_on_sigterm_and_reclaimed(tmp_path):
         assert out["killed_left"] and out["killed_removed"] and out["live_kept"]
         assert out["reclaimed"] >= 1 << 20
         assert any("reclaimed" in m and "MiB" in m for m in out["said"]), out["said"]
+
+
+def _busy_child(parent: str, ready_w: int) -> None:
+    """A forked process whose store's IO threads keep creating files (new keys, never waited); never returns."""
+    code = 0
+    try:
+        store = DiskStore(parent)
+        os.write(ready_w, store.directory.encode())
+        pending = []
+        for i in range(100_000):
+            pending.append(store.write(f"k{i}", torch.full((256,), float(i))))
+            if len(pending) > 64:
+                pending.pop(0).wait()
+    except BaseException:  # noqa: BLE001 - a forked child must never return into the harness
+        code = 1
+    os._exit(code)
+
+
+def body_sigterm_while_writing(tmp: str, runs: int) -> list:
+    """SIGTERM a writing child ``runs`` times: what each left in its directory (None: nothing)."""
+    left = []
+    for k in range(runs):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _busy_child(f"{tmp}/r{dist.get_rank()}-{k}", w)
+        os.close(w)
+        directory = os.read(r, 4096).decode()
+        os.close(r)
+        time.sleep(0.05 + 0.02 * k)  # the threads are creating and writing files now
+        os.kill(pid, signal.SIGTERM)
+        os.waitpid(pid, 0)
+        left.append(sorted(os.listdir(directory)) if os.path.exists(directory) else None)
+    return left
+
+
+def test_sigterm_while_the_io_threads_create_files_leaves_no_scratch_behind(tmp_path):
+    """The handler removes the directory while the IO threads still create files in it: it removes
+    until the directory is gone (no thread can create a file in it after that)."""
+    for left in run(2, body_sigterm_while_writing, str(tmp_path), 4, timeout=FAST):
+        assert left == [None] * 4, left

@@ -8,6 +8,7 @@ formulas where no shard is padded.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -255,3 +256,83 @@ def test_cli_prints_the_estimate_for_a_hf_config(tmp_path: Path, capsys: pytest.
     with pytest.raises(SystemExit):
         main(["--world-size", "4"])  # neither --config nor --model
     assert "one of the arguments --config --model is required" in capsys.readouterr().err
+
+
+_LLAMA = ('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+          '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300')
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--world-size", "12", "--ranks-per-node", "8"], "--world-size 12 is not a whole number of nodes"),
+    (["--world-size", "4", "--ranks-per-node", "0"], "--ranks-per-node: must be at least 1, got 0"),
+    (["--world-size", "0"], "--world-size: must be at least 1, got 0"),
+    (["--world-size", "4", "--memory-per-device", "-5"], "--memory-per-device: must be more than 0, got -5"),
+    (["--world-size", "8", "--shard-size", "3"], "--shard-size 3 does not divide --world-size 8"),
+    (["--world-size", "4", "--persistence-threshold", "-1"], "--persistence-threshold: must be at least 0")])
+def test_cli_refuses_impossible_values_with_argparse_errors(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            args: list, said: str) -> None:
+    """Before: accepted ('2 nodes x 8 ranks', '8 nodes x 1 ranks'), a ZeroDivisionError, or advice for -5 GiB."""
+    from parts.plan.__main__ import main
+
+    config = tmp_path / "config.json"
+    config.write_text(_LLAMA + "}")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(config), *args])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_cli_plans_a_bfloat16_config_alike_in_the_estimate_and_the_dry_run(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    """Before: the estimate planned fp32 silently and the dry run raised a TypeError about bf16 shards."""
+    pytest.importorskip("transformers")
+    from parts.plan.__main__ import _knobs, _parse, _plan, main
+    from parts.plan.models import hf_builder
+
+    config = tmp_path / "config.json"
+    config.write_text(_LLAMA + ', "torch_dtype": "bfloat16"}')
+    plans = {}
+    for extra in ([], ["--dry-run"], ["--dtype", "bf16-mixed"], ["--dtype", "fp32"]):
+        argv = ["--config", str(config), "--world-size", "4", *extra]
+        assert main(argv) == 0
+        said = "fp32, as given" if "fp32" in extra else "bf16-mixed, as given" if extra[:1] == ["--dtype"] else \
+            "bf16-mixed (fp32 shards are the masters"
+        assert f"the config's torch_dtype bfloat16: planned as --dtype {said}" in capsys.readouterr().out
+        args = _parse(argv)
+        plans[" ".join(extra)] = _fields(_plan(args, hf_builder(str(config)), _knobs(args)))
+    assert plans[""] == plans["--dry-run"] == plans["--dtype bf16-mixed"]  # estimated, run, or given
+    assert plans[""]["allgather_bytes"] * 2 == plans["--dtype fp32"]["allgather_bytes"] > 0  # bf16 gathers
+
+
+def test_cli_advice_names_the_smallest_world_size_that_fits(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Before: 'more ranks: model states shrink as 1/N' without saying how many."""
+    import re
+
+    from parts.plan.__main__ import main
+
+    config = tmp_path / "config.json"
+    config.write_text(_LLAMA + "}")
+    base = ["--config", str(config), "--ranks-per-node", "4", "--persistence-threshold", "0"]
+    limit = str(0.7 / 1024)  # GiB: 0.7 MiB, between the peaks of worlds 4 and 8 (0.86 and 0.65 MiB)
+    assert main(base + ["--world-size", "2", "--memory-per-device", limit]) == 1
+    world = int(re.search(r"--world-size (\d+) is the smallest that fits", capsys.readouterr().out).group(1))
+    assert world == 8
+    assert main(base + ["--world-size", "8", "--memory-per-device", limit]) == 0
+    assert main(base + ["--world-size", "4", "--memory-per-device", limit]) == 1
+    assert main(base + ["--world-size", "2", "--memory-per-device", "0.0001"]) == 1
+    assert "more ranks cannot make it fit" in capsys.readouterr().out  # the gathered peak alone is over
+
+
+def test_advice_omits_moves_worth_less_than_a_hundredth_of_the_peak() -> None:
+    """Before: 'persistence_threshold=0: 0.00 GiB of kept full copies leave memory'."""
+    from parts.plan.layout_bytes import GIB, Plan
+    from parts.plan.report import advice
+
+    plan = Plan(world_size=8, params=10**9, param_bytes=GIB, grad_bytes=GIB, optimizer_bytes=2 * GIB,
+                persistent_bytes=4096, gathered_peak_bytes=GIB, allgather_bytes=0, reduce_scatter_bytes=0,
+                all_reduce_bytes=0)
+    lines = advice(plan, 2.0)
+    assert lines[0].startswith("does not fit: 5.00 GiB > 2 GiB")
+    assert any("OffloadedOptimizer): 2.00 GiB" in line for line in lines)
+    assert not any("persistence_threshold" in line for line in lines)
+    assert "persistence_threshold=0: 0.50 GiB" in "".join(advice(dataclasses.replace(plan, persistent_bytes=GIB // 2),
+                                                                 2.0))

@@ -194,3 +194,32 @@ def test_a_layout_over_part_of_the_world_beside_one_over_all_of_it_raises_on_eve
         assert kind == "ValueError" and "disagree on the layout" in message, message
         assert f"global rank {world - 1} shards over global ranks {list(range(world))}" in message, message
         assert f"shards over global ranks {list(range(world - 1))}" in message, message
+
+
+def _freeze_outcome(odd_rank: int, name: str, threshold: int) -> tuple[str, str]:
+    """A step on every rank, then rank ``odd_rank`` alone freezes parameter ``name`` and all step again."""
+    from parts.partition import attach, partitioned, shards
+    torch.manual_seed(0)
+    with partitioned():
+        model = Net()
+    attach(model, persistence_threshold=threshold)
+    optimizer = torch.optim.SGD(shards(model), lr=0.1)
+    try:
+        for step in range(2):
+            if step == 1 and dist.get_rank() == odd_rank:
+                model.get_parameter(name).requires_grad_(False)
+            model(torch.ones(2, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except Exception as err:  # noqa: BLE001 - the outcome is what the test checks
+        return type(err).__name__, str(err)
+    return "", ""
+
+
+@pytest.mark.parametrize("world,odd_rank,name,threshold",
+                         [(3, 2, "norm.weight", 100_000), (2, 0, "norm.weight", 100_000), (2, 1, "up.weight", 0)])
+def test_requires_grad_set_otherwise_on_one_rank_is_named_on_every_rank(world, odd_rank, name, threshold):
+    """Before: gloo 'EnforceNotMet ... size mismatch' in the flat reduce-scatter (default knobs), no parameter named."""
+    for kind, message in run(world, _freeze_outcome, odd_rank, name, threshold, timeout=30.0):
+        assert kind in ("ValueError", "RuntimeError") and f"requires_grad of parameter '{name}'" in message, message
+        assert f"False on [{odd_rank}]" in message, message

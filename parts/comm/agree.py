@@ -12,7 +12,7 @@ every rank, naming the failing ranks and their errors.
   results themselves are exchanged; on a failure ``error(failures)`` is raised on every rank
   (chained to the local exception where there is one).
 - ``agree_on_layout(group, replicate_group, mesh, what)``: a sharded build's (shard group, replica group), compared
-  across the world before the build's first collective.
+  across the world (every rank takes part) before the build's first collective.
 - ``exchange_in_rounds(mine, scopes, rank_of, own, what)``: items gathered over several groups in
   turn, failures raised on every rank (``agree_on_layout`` and ``attach``'s agreement).
 """
@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 from parts.comm.failure import Failure as Failure
 from parts.comm.failure import RankDisagreement as RankDisagreement
 from parts.comm.failure import attempt, describe, failures_in
-from parts.comm.group import GroupArg, GroupInfo, global_rank, group_info, hybrid_groups, is_distributed, is_member
+from parts.comm.group import GroupArg, GroupInfo, global_rank, group_info, hybrid_groups, is_distributed
 from parts.comm.objects import all_gather_objects, broadcast_object
 
 
@@ -82,24 +82,21 @@ Layout = tuple[GroupInfo, Optional[GroupInfo]]
 
 
 def agree_on_layout(group: GroupArg, replicate_group: GroupArg, mesh: object, what: str) -> Layout:
-    """``hybrid_groups(...)``: the (shard group, replica group), checked against the ranks':
-    one exchange over the world when this rank's layout spans it, else one over the shard group
-    then one over the replica group (the groups the build's collectives run over: every member
-    takes part). A rank whose groups are refused (over the world: when this rank is in them and
-    they cover it), or whose shard or replica group its members see otherwise (a mesh of another
-    shape, a group left out, replicas at other places of their shard groups), raises on every
-    rank, naming the ranks: before the build's first collective over groups that differ."""
+    """``hybrid_groups(...)``: the (shard group, replica group), checked against every rank's in one
+    exchange over the world. Every rank of the world takes part in every sharded build's agreement
+    (ranks building over disjoint groups build as many times each), so a rank whose layout spans
+    part of the world and one whose layout spans all of it both raise, naming the two ranks, where
+    agreeing over each rank's own groups would leave the world-spanning rank waiting. A rank whose
+    groups are refused, or whose shard or replica group its members see otherwise (a mesh of another
+    shape, a group left out, replicas at other places of their shard groups), raises on every rank,
+    naming the ranks: before the build's first collective over groups that differ."""
     layout, own = attempt(lambda: hybrid_groups(group, replicate_group, mesh, what), global_rank())
     if not is_distributed():
         if own is not None:
             raise own
         return layout
-    world = group_info(None).world_size
-    if own is not None and not _asks_for_world(group, replicate_group, mesh, world):
-        raise own  # the others may build nothing with this rank
     mine = layout if own is not None else (global_rank(), *_ranks(layout))
-    seen = exchange_in_rounds(mine, _layout_scopes(layout if own is None else None, world),
-                              lambda x: x[0], own, what)
+    seen = exchange_in_rounds(mine, [group_info(None)], lambda x: x[0], own, what)
     check_layouts({x[0]: x[1:] for x in seen}, what)
     return layout
 
@@ -123,32 +120,9 @@ def exchange_in_rounds(mine: object, scopes: list[GroupInfo], rank_of: Callable[
     return seen
 
 
-def _layout_scopes(layout: Optional[Layout], world: int) -> list[GroupInfo]:
-    """The groups a layout is agreed over: the world if it spans it (or this rank failed), else its
-    shard group then its replica group (those of more than one rank)."""
-    if layout is None:
-        return [group_info(None)]
-    info, replica = layout
-    if info.world_size * (replica.world_size if replica is not None else 1) == world:
-        return [group_info(None)]
-    return [g for g in (info, replica) if g is not None and g.world_size > 1]
-
-
 def _ranks(layout: Layout) -> tuple:
     info, replica = layout
     return tuple(info.global_ranks()), tuple(replica.global_ranks()) if replica is not None else None
-
-
-def _asks_for_world(group: GroupArg, replicate_group: GroupArg, mesh: object, world: int) -> bool:
-    """True if this rank is in every group asked for and they cover the world between them."""
-    if mesh is not None:
-        return getattr(mesh, "size", lambda: 0)() == world
-    covered: set[int] = set()
-    for g in (group, replicate_group):
-        if g is not None and not is_member(g):
-            return False
-        covered |= set(range(world)) if g is None else set(group_info(g).global_ranks())
-    return len(covered) == world
 
 
 def check_layouts(every: dict, what: str) -> None:

@@ -187,6 +187,16 @@ def all_reduce(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = Reduce
     return t
 
 
+def same_everywhere(code: int, info: GroupInfo) -> bool:
+    """True if the integer ``code`` is the same on every rank of the group: one all-reduce of
+    ``(code, -code)`` with MAX, counted as a ``check`` (not model traffic)."""
+    both = torch.tensor([code, -code], dtype=torch.int64, device=comm_device(info))
+    _count("check", 2 * wire_bytes(_nbytes(both), info.world_size) // max(info.world_size, 1), info)
+    if info.world_size > 1:
+        dist.all_reduce(both, op=ReduceOp.MAX, group=info.group)
+    return int(both[0]) == -int(both[1])
+
+
 def all_reduce_async(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = ReduceOp.SUM) -> Waitable:
     """``all_reduce`` issued without waiting: ``t`` holds the result once the handle's ``wait()``
     returned (the handle keeps ``t`` alive until then); counted as ``all_reduce``."""

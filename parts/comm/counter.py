@@ -6,7 +6,9 @@ receives in an all-gather and sends in a reduce-scatter, the same for every algo
 (ring, one broadcast per rank, direct exchange). An all-reduce of ``n`` bytes counts
 ``2 * (w - 1) / w * n`` rounded down (a reduce-scatter and an all-gather); a broadcast
 counts its ``n`` bytes on every rank but a world of one; an all-to-all counts the bytes this rank
-sends to the other ranks. A world of one moves nothing and
+sends to the other ranks; a ``check`` (``same_everywhere``: a 16-byte all-reduce that only compares a
+value across ranks) counts like an all-reduce under its own kind, apart from the traffic of the model.
+A world of one moves nothing and
 counts 0 bytes; calls are counted anyway.
 
 The counter is process-wide, like torch's own allocator statistics: it observes, it
@@ -42,6 +44,8 @@ class CommCounter:
     broadcast_calls: int = 0
     all_to_all_bytes: int = 0
     all_to_all_calls: int = 0
+    check_bytes: int = 0
+    check_calls: int = 0
 
     def add(self, kind: str, nbytes: int, calls: int = 1, group: str = "local") -> None:
         """Count ``calls`` collectives of ``kind`` ("allgather", "reduce_scatter", ...) moving

@@ -145,6 +145,16 @@ def reclaim(path: str, keep: str) -> int:
     return freed
 
 
+def remove_tree(directory: str, tries: int = 1000) -> None:
+    """Remove ``directory`` until it is gone: an IO thread may create a file in it while ``rmtree``
+    runs (its removal then fails, not empty), but none can once the directory itself is gone (no
+    thread creates directories)."""
+    for _ in range(tries):
+        shutil.rmtree(directory, ignore_errors=True)
+        if not os.path.lexists(directory):
+            return
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Remove the live stores' directories, then do what SIGTERM did before (module docstring)."""
     previous = _installed.get("previous")
@@ -168,7 +178,7 @@ class Watch:
     def remove_now(self) -> None:
         """Remove the directory if this process created it."""
         if os.getpid() == self.pid:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            remove_tree(self.directory)
 
 
 def watch(directory: str) -> Watch:

@@ -35,7 +35,6 @@ the bytes that did not fit, at submission when the space reservation fails.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -99,7 +98,7 @@ def _named(error: BaseException, key: str, writing: bool) -> BaseException:
 def _remove_dir(directory: str, pid: int, queue: IOQueue) -> None:
     if os.getpid() == pid:  # a forked child does not own its parent's scratch files
         queue.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        _scratch.remove_tree(directory)
 
 
 class DiskStore:

@@ -228,3 +228,32 @@ def estimate(shape: ModelShape, world_size: int, knobs: Optional[Knobs] = None,
                 all_reduce_bytes=replica_all_reduce_bytes([shard[pid] for pid in trained], world_size // k,
                                                           widths.reduce),
                 shard_size=k)
+
+
+def model_states_at(shape: ModelShape, world_size: int, widths: Widths) -> int:
+    """Bytes of parameter and grad shards and optimizer state per rank under full sharding over ``world_size``."""
+    trained = widths.param + widths.reduce + widths.state
+    return sum(ShardLayout(n, world_size).shard_numel * (trained if pid in shape.trainable else widths.param)
+               for pid, n in shape.sizes.items())
+
+
+def smallest_world(shape: ModelShape, widths: Widths, fixed_bytes: int, limit_bytes: float, world_size: int,
+                   ranks_per_node: int) -> Optional[int]:
+    """The smallest world size above ``world_size`` (whole nodes of ``ranks_per_node`` once past one
+    node) whose model states plus ``fixed_bytes`` (what does not shrink with the world) fit
+    ``limit_bytes`` per rank under full sharding; None if none does."""
+    def fits(n: int) -> bool:
+        return fixed_bytes + model_states_at(shape, n, widths) <= limit_bytes
+    for n in range(world_size + 1, ranks_per_node + 1):
+        if fits(n):
+            return n
+    largest = max(shape.sizes.values(), default=1)
+    lo, hi = max(world_size, ranks_per_node) // ranks_per_node + 1, -(-largest // ranks_per_node)
+    if lo > hi:
+        hi = lo
+    if not fits(hi * ranks_per_node):
+        return None
+    while lo < hi:  # model states shrink as the world grows: the first node count that fits
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid * ranks_per_node) else (mid + 1, hi)
+    return lo * ranks_per_node

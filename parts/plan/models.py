@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 
@@ -23,8 +24,18 @@ def hf_builder(config_path: str) -> Callable[[], nn.Module]:
              transformers.AutoModelForMaskedLM, transformers.AutoModel)
     for kind in kinds:
         if type(config) in kind._model_mapping:
-            return lambda: kind.from_config(config)
+            return lambda: kind.from_config(config, dtype=torch.float32)  # --dtype sets the widths
     raise ValueError(f"parts.plan: {path} describes a {config.model_type} model that no Auto class builds")
+
+
+def config_dtype(config_path: str) -> Optional[str]:
+    """The ``torch_dtype`` (or ``dtype``) a Hugging Face ``config.json`` declares, e.g. "bfloat16"; None if none."""
+    path = Path(config_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"parts.plan: no config file at {path}")
+    declared = json.loads(path.read_text())
+    value = declared.get("torch_dtype", declared.get("dtype"))
+    return str(value).removeprefix("torch.") if value is not None else None
 
 
 def function_builder(spec: str) -> Callable[[], nn.Module]:

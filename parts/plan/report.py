@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from typing import Optional, TextIO
 
-from parts.plan.estimate import Widths
+from parts.plan.estimate import Widths, model_states_at, smallest_world
 from parts.plan.layout_bytes import GIB, Plan, Reference, link_split, peers
 from parts.plan.shapes import ModelShape
 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest of GiB, MiB, KiB that shows them as at least 0.01 (advice lines)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+        if n >= scale / 100:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n / 1024:,.2f} KiB"
 
 
 def _gb(n: float) -> str:
@@ -42,20 +50,34 @@ def traffic_rows(plan: Plan, ranks_per_node: int) -> list[tuple[str, int, int]]:
     return rows + [("total", inside, between)]
 
 
-def advice(plan: Plan, limit: Optional[float]) -> list[str]:
-    """What to change when the plan does not fit ``limit`` GiB: the biggest movable kinds first."""
+def advice(plan: Plan, limit: Optional[float], shape: Optional[ModelShape] = None,
+           widths: Optional[Widths] = None, ranks_per_node: int = 8) -> list[str]:
+    """What to change when the plan does not fit ``limit`` GiB: the biggest movable kinds first, each
+    worth at least 1% of the peak; with ``shape`` and ``widths``, the smallest world size that fits."""
     if limit is None or plan.peak_bytes <= limit * GIB:
         return []
     over = plan.peak_bytes - limit * GIB
-    lines = [f"does not fit: {_gib(plan.peak_bytes)} > {limit:g} GiB (over by {_gib(over)})"]
-    lines.append(f"- offload optimizer state to disk (parts.offload.OffloadedOptimizer): "
-                 f"{_gib(plan.optimizer_bytes)} leaves memory")
-    lines.append(f"- shards on disk too (partitioned(remote_device=DiskStore(...))): another "
-                 f"{_gib(plan.param_bytes)} leaves memory")
-    lines.append(f"- more ranks: model states shrink as 1/N ({_gib(plan.model_state_bytes)} at N={plan.world_size})")
-    if plan.persistent_bytes:
-        lines.append(f"- persistence_threshold=0: {_gib(plan.persistent_bytes)} of kept full copies leave memory")
+    moves = [(plan.optimizer_bytes, "offload optimizer state to disk (parts.offload.OffloadedOptimizer): {} "
+                                    "leaves memory"),
+             (plan.param_bytes, "shards on disk too (partitioned(remote_device=DiskStore(...))): another {} "
+                                "leaves memory"),
+             (plan.persistent_bytes, "persistence_threshold=0: {} of kept full copies leave memory")]
+    lines = [f"does not fit: {_size(plan.peak_bytes)} > {limit:g} GiB (over by {_size(over)})"]
+    lines += ["- " + text.format(_size(nbytes)) for nbytes, text in moves if nbytes >= plan.peak_bytes / 100]
+    if shape is not None and widths is not None and (plan.shard_size or plan.world_size) == plan.world_size:
+        lines.append(_more_ranks(plan, shape, widths, limit, ranks_per_node))
     return lines
+
+
+def _more_ranks(plan: Plan, shape: ModelShape, widths: Widths, limit: float, ranks_per_node: int) -> str:
+    """The advice line on the world size: the smallest that fits, or why none does."""
+    fixed = plan.persistent_bytes + plan.gathered_peak_bytes
+    world = smallest_world(shape, widths, fixed, limit * GIB, plan.world_size, ranks_per_node)
+    if world is None:
+        return (f"- more ranks cannot make it fit: {_size(fixed)} (full parameters kept or gathered at once) "
+                f"does not shrink with the world size")
+    return (f"- more ranks: --world-size {world} is the smallest that fits "
+            f"({_size(fixed + model_states_at(shape, world, widths))} per rank)")
 
 
 def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, limit: Optional[float],
@@ -79,7 +101,7 @@ def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, l
                          ("DeepSpeed estimate_zero3 (GPU, no offload)",
                           ref.deepspeed_estimate(shape.largest_module()))):
         print(f"  {name:<44} {_gib(nbytes):>14}", file=out)
-    lines = advice(plan, limit)
+    lines = advice(plan, limit, shape, widths, max(1, ranks_per_node))
     for line in lines:
         print(("\n" if line is lines[0] else "") + line, file=out)
     if limit is not None and not lines:

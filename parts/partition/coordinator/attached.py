@@ -5,12 +5,12 @@ reads and writes it through ``Through`` attributes, so while detached it holds n
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from parts.comm import GroupArg
+from parts.comm import GroupArg, GroupInfo
 from parts.partition.coordinator.abort import BackwardWatch
 from parts.partition.coordinator.debug import StepCheck
 from parts.partition.coordinator.flat import FlatGather, FlatReduce
@@ -25,6 +25,7 @@ from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import ModuleCall
 from parts.partition.coordinator.steps import Steps
 from parts.partition.coordinator.table import ParamTable
+from parts.partition.coordinator.trainable import TrainableCheck
 from parts.partition.core.precision import MixedPrecision
 
 
@@ -35,7 +36,8 @@ class Attached:
     def __init__(self, module: nn.Module, knobs: Knobs, group: GroupArg,
                  precision: Optional[MixedPrecision], sync_buffers: bool,
                  undo_precision: Optional[Callable[[], None]], backward_step: Callable,
-                 drop_aborted: Callable[[], None], secondary_group: GroupArg = None) -> None:
+                 drop_aborted: Callable[[], None], secondary_group: GroupArg = None,
+                 scopes: Sequence[GroupInfo] = ()) -> None:
         self.root = module
         self._undo_precision = undo_precision
         self.counters = StepCounters()
@@ -55,6 +57,8 @@ class Attached:
         self.steps = Steps(module, self.table, self.live, self.prefetcher, self.check, self.counters,
                            sync_buffers, self.flat)
         self.flat_ids = frozenset(self.flat.pids)
+        names = [self.table.param_names.get(pid, f"#{pid}") for pid in self.table.params]
+        self.trainable = TrainableCheck(list(self.table.params.values()), names, scopes)
         self.frozen = FrozenRelease(self.table, self.live, backward_step)
         self.watch = BackwardWatch(self.table, self.live, self.reducer, self.steps, drop_aborted)
         self._checker: Optional[weakref.WeakMethod] = None  # debug: the step check's hook (points.py)

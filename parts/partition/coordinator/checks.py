@@ -65,7 +65,7 @@ def _first_record(module: Any) -> Any:
     return next((meta(p) for p in module.parameters() if is_partitioned(p)), None)
 
 
-def _scopes(module: Any, group: GroupArg) -> list[GroupInfo]:
+def agreement_scopes(module: Any, group: GroupArg) -> list[GroupInfo]:
     """The groups to agree over: the world when this rank's layout (shard group times replica
     group) spans it, so every rank of any layout meets in one exchange; else the shard group,
     then the replica group. Empty when not distributed."""
@@ -113,7 +113,7 @@ def agree_to_attach(module: Any, coordinator: Any, attached: Any,
         check_group(module, coordinator.group)
         return _settings(module, coordinator)
     mine, own = attempt(local, global_rank())
-    scopes = _scopes(module, None if failed is not None else coordinator.group)
+    scopes = agreement_scopes(module, None if failed is not None else coordinator.group)
     seen = exchange_in_rounds(mine, scopes, lambda s: s["rank"], own, "attach")
     _compare(sorted(seen, key=lambda s: s["rank"]))
 

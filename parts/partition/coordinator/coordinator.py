@@ -46,7 +46,7 @@ from parts.partition.construction.construct import drop_forward_check, restore_f
 from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.attached import Attached, Through
-from parts.partition.coordinator.checks import agree_to_attach
+from parts.partition.coordinator.checks import agree_to_attach, agreement_scopes
 from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, eager,
                                                register_pre_backward)
 from parts.partition.coordinator.plan import Knobs
@@ -83,7 +83,7 @@ class FetchCoordinator:
     group, secondary_group = WeakGroup(), WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
     (table, live, prefetcher, reducer, check, counters, steps, flat_grads, flat_ids, frozen, watch,
      _undo_precision, _checker, _hooks, _grad_hooks, _unhooked, _stack, _bwd_phase, _bwd_creates_graph,
-     _units, _running) = (Through() for _ in range(21))  # the attached state (attached.py), read through
+     _units, _running, trainable) = (Through() for _ in range(22))  # the attached state (attached.py), read through
 
     def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
                  max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,
@@ -122,7 +122,8 @@ class FetchCoordinator:
         undo = apply_compression(module, self.compression, precision)  # compute dtypes, codecs on the records
         drop_aborted = weak_method(self._drop_aborted_backward)
         self._state = Attached(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers,
-                               undo, weak_method(self._backward_step), drop_aborted, self.secondary_group)
+                               undo, weak_method(self._backward_step), drop_aborted, self.secondary_group,
+                               agreement_scopes(module, self.group))
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
                 self._hook(index)
@@ -373,7 +374,9 @@ class FetchCoordinator:
     def _follow_requires_grad(self) -> None:
         """Read ``requires_grad`` again (at attach and each backward's start): a grad hook on every
         parameter that requires grad now (frozen ones have none to fire), the flat reduce-scatter's
-        members (reduce.py). Every rank reads the same flags, so all reduce the same grads."""
+        members (reduce.py). The flags are checked alike on every rank (trainable.py), so all reduce
+        the same grads."""
+        self.trainable.agree()
         trainable = [p for p in self._unhooked if p.requires_grad]
         if trainable:
             self._unhooked = [p for p in self._unhooked if not p.requires_grad]
