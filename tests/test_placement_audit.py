@@ -69,6 +69,35 @@ def _generation() -> None:
         model(torch.randn(2, DIM, device="meta"))
 
 
+class _Checkpointed(nn.Module):
+    """Two blocks run under ``parts.checkpoint.checkpoint``, saved inputs split over the group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from parts.checkpoint import CheckpointPolicy, checkpoint
+        policy = CheckpointPolicy(partition_group=dist.group.WORLD)
+        x = checkpoint(lambda y: torch.tanh(self.a(y)), x, policy=policy)
+        return self.head(checkpoint(lambda y: torch.tanh(self.b(y)), x, policy=policy))
+
+
+def _checkpoint_partitioned() -> None:
+    torch.manual_seed(0)
+    with partitioned(device="meta"):
+        model = _Checkpointed()
+    attach(model, persistence_threshold=0)
+    _steps(model, torch.optim.SGD(shards(model), lr=0.1), "meta")
+
+
+def _state_dicts() -> None:
+    from parts.partition import full_state_dict, load_full_state_dict
+    model = _model(device="meta")
+    attach(model)
+    load_full_state_dict(model, full_state_dict(model, rank0_only=False))
+
+
 def _hybrid() -> None:
     shard, replica = block_layout(2)
     model = _model(device="meta", group=shard, replicate_group=replica)
@@ -83,6 +112,8 @@ META = {
     "bf16_optimizer_clip": _bf16_optimizer,
     "debug_mode": lambda: _train_meta(debug=True, persistence_threshold=0),
     "generation": _generation,
+    "checkpoint_partition_group": _checkpoint_partitioned,
+    "full_state_dict": _state_dicts,
     "compression": lambda: _train_meta(compression=Compression(weights="int8", grads="int8"),
                                        persistence_threshold=0),
 }

@@ -27,20 +27,12 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from parts.base.device import accelerator_device
 from parts.comm.group import GroupInfo
 
 _CPU = torch.device("cpu")
 _declared: list[torch.device] = []
 _torch_algorithms: list[bool] = []
-
-
-def _accelerator() -> Optional[torch.device]:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None:
-        if not acc.is_available():
-            return None
-        return torch.device(acc.current_accelerator().type, acc.current_device_index())
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def comm_device(info: GroupInfo) -> torch.device:
@@ -51,7 +43,7 @@ def comm_device(info: GroupInfo) -> torch.device:
         return _declared[-1]
     if info.group is None or info.backend == "gloo":
         return _CPU
-    return _accelerator() or _CPU
+    return accelerator_device() or _CPU
 
 
 @contextlib.contextmanager

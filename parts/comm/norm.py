@@ -71,15 +71,19 @@ def local_norms(grads: Iterable[Optional[Grad]], norm_type: float,
 
 def local_sum(norms: Iterable[torch.Tensor], device: torch.device, norm_type: float) -> torch.Tensor:
     """``sum n^p`` (max for inf, count for 0) of ``norms`` as an fp32 scalar on ``device``, added in
-    order (no host sync): this rank's share of a global norm."""
-    local = torch.zeros((), dtype=torch.float32, device=device)
+    order: on the norms' own device where they share one (one copy to ``device`` at the end: no
+    host sync per norm when gloo carries CUDA grads), else on ``device``."""
+    norms = list(norms)
+    devices = {n.device for n in norms}
+    where = devices.pop() if len(devices) == 1 else device
+    local = torch.zeros((), dtype=torch.float32, device=where)
     for n in norms:
-        n = n.to(device)
+        n = n.to(where)
         if math.isinf(norm_type):
             local = torch.maximum(local, n)
         else:
             local = local + (n if norm_type == 0 else n.pow(norm_type))
-    return local
+    return local.to(device)
 
 
 def global_norm(grads: Iterable[Optional[Grad]], info: GroupInfo, norm_type: float = 2.0,

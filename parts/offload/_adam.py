@@ -67,7 +67,7 @@ class InplaceAdam:
     """Steps a plain Adam/AdamW in place (module docstring); ``scratch`` is its one reused buffer."""
 
     def __init__(self) -> None:
-        self.scratch = torch.empty(0)
+        self.scratch = torch.empty(0, device="cpu")
         self.steps = 0  # parameters stepped here (for tests and benchmarks)
 
     @property
@@ -98,7 +98,7 @@ class InplaceAdam:
     def _denominator(self, like: torch.Tensor) -> torch.Tensor:
         """The scratch buffer as a tensor shaped and typed like ``like`` (grown if too small)."""
         if self.scratch.nbytes < like.nbytes:
-            self.scratch = torch.empty(like.nbytes, dtype=torch.uint8)
+            self.scratch = torch.empty(like.nbytes, dtype=torch.uint8, device="cpu")
         return self.scratch[:like.nbytes].view(like.dtype).view(like.shape)
 
     def _update(self, param: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 def aligned_buffer(nbytes: int, align: int = ALIGN) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` whose first byte is ``align``-aligned (for direct IO)."""
-    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, device="cpu")
     skip = (-raw.data_ptr()) % align
     return raw[skip:skip + nbytes]
 
@@ -59,7 +59,7 @@ def aligned_empty(numel: int, dtype: torch.dtype,
     multiple of the element size: never for torch's 64-byte CPU allocations)."""
     itemsize = dtype.itemsize
     extra = -(-ALIGN // itemsize) if worth_aligning(numel * itemsize) else 0
-    raw = alloc(numel + extra, dtype) if alloc is not None else torch.empty(numel + extra, dtype=dtype)
+    raw = alloc(numel + extra, dtype) if alloc is not None else torch.empty(numel + extra, dtype=dtype, device="cpu")
     if not extra:
         return raw
     skip = (-raw.data_ptr()) % ALIGN

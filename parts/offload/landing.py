@@ -29,7 +29,7 @@ def grad_buffer(t: torch.Tensor, numel: int, dtype: torch.dtype,
         buf = aligned_empty(numel, dtype, alloc)
     else:
         start = (-block.data_ptr()) % ALIGN // dtype.itemsize
-        buf = torch.empty(0, dtype=dtype).set_(block, start, (numel,))
+        buf = torch.empty(0, dtype=dtype, device="cpu").set_(block, start, (numel,))
     if buf.untyped_storage().nbytes() == nbytes + ALIGN:  # one block of the size ``take`` asks for
         buf.__dict__[_POOL] = pool
     return buf

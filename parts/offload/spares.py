@@ -42,7 +42,7 @@ class Spares:
         """A tensor of ``shape`` and ``dtype`` for a store read: a spare of its size, else fresh."""
         nbytes = shape.numel() * dtype.itemsize
         if not worth_aligning(nbytes):
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, device="cpu")
         same = self._free.get(nbytes)
         if same:
             base = same.pop()

@@ -49,6 +49,10 @@ class BF16Optimizer(OptimizerWrapper):
     params whose grad is the same on every rank of ``norm_groups`` (not tp-split): only the rank
     that is rank 0 of every norm group counts those, so each element counts once. The clip,
     the skip on a non-finite norm and ``last_grad_norm`` then use that grid-wide norm.
+
+    Every step takes the global norm, clipping or not: it is also the check that every rank's
+    grads are finite (a step is skipped on every rank or none), at the cost of one
+    ``_foreach_norm``, one all-reduce on the communication device and one host read.
     """
 
     process_group = WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)

@@ -13,7 +13,7 @@ coefficient is applied to each grad as the wrapped optimizer reads it (``grad_sc
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -56,11 +56,6 @@ def write_back_chunk(by_master: dict, chunk: list[torch.Tensor]) -> None:
 def lazy_grad(s: ShardedParam) -> Callable[[], torch.Tensor]:
     """A deferred read of an offloaded sharded param's grad (real elements)."""
     return s.stored_grad
-
-
-def materialize(g: Any) -> torch.Tensor:
-    """``g`` itself, or the grad a ``lazy_grad`` reads now."""
-    return g() if callable(g) else g
 
 
 def set_grad_scale(opt: Masters, grads: list, coef: torch.Tensor) -> list[torch.Tensor]:

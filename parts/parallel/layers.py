@@ -50,8 +50,8 @@ def tp_split(p: torch.Tensor) -> Optional[tuple[int, int]]:
 def _full_init(out_features: int, in_features: int, bias: bool,
                init_method: Optional[InitMethod]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Full fp32 weight and bias on CPU: ``nn.Linear``'s init, or ``init_method`` and zero bias."""
-    weight = torch.empty(out_features, in_features)
-    full_bias = torch.zeros(out_features) if bias else None
+    weight = torch.empty(out_features, in_features, device="cpu")
+    full_bias = torch.zeros(out_features, device="cpu") if bias else None
     with torch.no_grad():
         if init_method is not None:
             init_method(weight)
