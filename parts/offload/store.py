@@ -29,8 +29,7 @@ Ordering: operations on one key run in submission order (a read after a write re
 written bytes; a read after a failed write raises). A write must not have its source
 modified until its handle is waited. Errors surface at ``wait()`` of the operation's
 handle and again at ``flush()``; a full disk raises ``DiskFullError`` naming the file and
-the bytes that did not fit, at submission when the space reservation fails.
-"""
+the bytes that did not fit, at submission when the space reservation fails."""
 
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ from parts.offload._fileio import ALIGN, round_up
 from parts.offload._fileio import DiskFullError as DiskFullError  # raised by writes: part of the store
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
-from parts.offload.staging import staging
 from parts.offload._budget import store_budget
 
 
@@ -157,8 +155,8 @@ class DiskStore:
                              f"prefix= (or drop the other one first)")
         self._owners[prefix] = owner
 
-    def write(self, key: str, tensor: torch.Tensor) -> IOHandle:
-        """Store ``tensor``'s bytes under ``key`` (replacing them); keep ``tensor`` unchanged until waited."""
+    def write(self, key: str, tensor: torch.Tensor, after: Any = None) -> IOHandle:
+        """Store ``tensor``'s bytes under ``key`` after ``after`` (a copy filling it); keep it unchanged till waited."""
         self._check_open("write")
         src = _fileio.bytes_of(tensor, f"write of key {key!r}")
         entry = self._index.get(key)
@@ -166,7 +164,7 @@ class DiskStore:
             entry = self._index[key] = self._new_entry(src.numel())
         self._reserve(entry, src.numel())
         entry.nbytes = src.numel()
-        return self._submit(entry, key, src, writing=True, fence=staging.fence(tensor))
+        return self._submit(entry, key, src, writing=True, fence=after)
 
     def read(self, key: str, out: torch.Tensor, urgent: bool = False) -> IOHandle:
         """Fill ``out`` (contiguous, CPU, exactly the stored byte size) with the bytes stored under
@@ -338,9 +336,8 @@ class DiskStore:
             self._meter.submitted(writing, now)
 
     def _run(self, op: Op, path: str, holder: list, offset: int, fence: Any = None) -> None:
-        """One piece on an IO thread (queued once the key's previous operation finished), after
-        the ``fence`` of a copy from an accelerator that fills its memory; the piece is let go
-        before the operation is marked done (the caller may free it after ``wait``)."""
+        """One piece on an IO thread (queued once the key's previous operation finished), after the
+        copy ``fence`` filling it; let go before the operation is marked done (then the caller may free it)."""
         piece, writing = holder.pop(), op.writing
         with self._lock:
             start = time.perf_counter()
