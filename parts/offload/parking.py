@@ -336,7 +336,7 @@ def accumulate_grad(t: torch.Tensor, part: torch.Tensor, accumulate: bool = True
         current.add_(part.to(current.device))
         part = current
     record.grad_dtype = part.dtype
-    record.store.write(record.grad_key, part.detach().reshape(t.shape).contiguous(), after=staging.fence(part))
+    record.store.write(record.grad_key, part.detach().reshape(t.shape).contiguous())
 
 
 def takes_grad(t: torch.Tensor) -> bool:

@@ -50,6 +50,7 @@ from parts.offload._fileio import ALIGN, round_up
 from parts.offload._fileio import DiskFullError as DiskFullError  # raised by writes: part of the store
 from parts.offload._ioqueue import IOQueue, Op
 from parts.offload._stats import Meter, StoreStats
+from parts.offload.staging import staging
 from parts.offload._budget import store_budget
 
 
@@ -155,8 +156,8 @@ class DiskStore:
                              f"prefix= (or drop the other one first)")
         self._owners[prefix] = owner
 
-    def write(self, key: str, tensor: torch.Tensor, after: Any = None) -> IOHandle:
-        """Store ``tensor``'s bytes under ``key`` after ``after`` (a copy filling it); keep it unchanged till waited."""
+    def write(self, key: str, tensor: torch.Tensor) -> IOHandle:
+        """Store ``tensor``'s bytes under ``key`` (replacing them); keep ``tensor`` unchanged until waited."""
         self._check_open("write")
         src = _fileio.bytes_of(tensor, f"write of key {key!r}")
         entry = self._index.get(key)
@@ -164,7 +165,7 @@ class DiskStore:
             entry = self._index[key] = self._new_entry(src.numel())
         self._reserve(entry, src.numel())
         entry.nbytes = src.numel()
-        return self._submit(entry, key, src, writing=True, fence=after)
+        return self._submit(entry, key, src, writing=True, fence=staging.fence(tensor))
 
     def read(self, key: str, out: torch.Tensor, urgent: bool = False) -> IOHandle:
         """Fill ``out`` (contiguous, CPU, exactly the stored byte size) with the bytes stored under
@@ -336,9 +337,8 @@ class DiskStore:
             self._meter.submitted(writing, now)
 
     def _run(self, op: Op, path: str, holder: list, offset: int, fence: Any = None) -> None:
-        """One piece on an IO thread (queued once the key's previous operation finished), after the
-        copy ``fence`` filling it; let go before the operation is marked done (then the caller may free it)."""
-        piece, writing = holder.pop(), op.writing
+        """One piece on an IO thread, after the key's last operation and the copy filling it (``fence``)."""
+        piece, writing = holder.pop(), op.writing  # let go before the op is done: then the caller may free it
         with self._lock:
             start = time.perf_counter()
             self._meter.moving(writing, start)
