@@ -4,6 +4,7 @@ at world 1, its memory use against its budget.
     python benchmarks/bench_offload_world1.py
     python benchmarks/bench_offload_world1.py --params 1.7B --memory-budget-gib 5 --same-batch --lr 5e-7
     python benchmarks/bench_offload_world1.py --from-log run.log   # record a run already made
+    python benchmarks/bench_offload_world1.py --device cuda        # compute on the GPU (recorded as _cuda)
 
 Launches ``torchrun --standalone --nproc-per-node 1 recipes/train_offload.py`` (shards, grads and
 AdamW's moments of the whole model in one rank's ``DiskStore``, the optimizer stepping during
@@ -29,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from record import record  # noqa: E402
 from train_offload import PRESETS, config_of, count_params  # noqa: E402
 
@@ -49,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--same-batch", action="store_true", help="the recipe's --same-batch (each step on step 1's batch)")
     ap.add_argument("--log", type=Path, default=Path("/tmp/bench_offload_world1.log"))
     ap.add_argument("--from-log", type=Path, default=None, help="parse this log of a finished run, launch nothing")
+    devices.add_device_flag(ap)
     return ap.parse_args()
 
 
@@ -64,7 +67,7 @@ def recipe_command(args: argparse.Namespace) -> list[str]:
     """The recipe at world 1 with this benchmark's flags."""
     return ["torchrun", "--standalone", "--nproc-per-node", "1", str(RECIPE), "--params", args.params,
             "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--batch-size", "1",
-            "--memory-budget-gib", str(args.memory_budget_gib), "--store", args.store,
+            "--memory-budget-gib", str(args.memory_budget_gib), "--store", args.store, "--device", args.device,
             *["--same-batch"] * args.same_batch, *(["--lr", str(args.lr)] if args.lr else [])]
 
 
@@ -137,8 +140,10 @@ def main() -> None:
     command = " ".join(["python", "benchmarks/bench_offload_world1.py", "--params", args.params,
                         "--memory-budget-gib", str(args.memory_budget_gib), "--steps", str(args.steps),
                         "--seq-len", str(args.seq_len), *["--same-batch"] * args.same_batch,
-                        *(["--lr", str(args.lr)] if args.lr else [])])
-    print(record("bench_offload_world1", table, command=command))
+                        *(["--lr", str(args.lr)] if args.lr else []), "--device", args.device])
+    import torch
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    print(record("bench_offload_world1" + ("_cuda" if cuda else ""), table, command=command))
     for key, value in [*table["rows"][0].items(), *table["summary"].items()]:
         print(f"{key}: {value}")
 

@@ -41,6 +41,7 @@ def run_stage(name: str, mode: str, work: Path) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
+    import gpu_audit
     import gpu_checks
     import gpu_runs
     ctx = gpu_checks.Context(mode, scratch=tempfile.mkdtemp(prefix=f"{name}_", dir=work))
@@ -54,7 +55,7 @@ def run_stage(name: str, mode: str, work: Path) -> None:
         dist.init_process_group("gloo")  # torchrun's environment; both ranks on the one device
         gpu_runs.stage_pair(ctx)
     else:
-        stage = {"w1": gpu_checks.stage_w1, "offload": gpu_checks.stage_offload, "audit": gpu_checks.stage_audit,
+        stage = {"w1": gpu_checks.stage_w1, "offload": gpu_checks.stage_offload, "audit": gpu_audit.stage_audit,
                  "beyond": gpu_runs.stage_beyond, "perf_plain": lambda c: gpu_runs.stage_perf(c, "plain"),
                  "perf_parts": lambda c: gpu_runs.stage_perf(c, "parts"),
                  "perf_fsdp2": lambda c: gpu_runs.stage_perf(c, "fsdp2")}[name]

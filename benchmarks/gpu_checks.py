@@ -368,17 +368,3 @@ def stage_offload(ctx: Context) -> None:
     world1(ctx)
     with deterministic(ctx), ctx.guard("offload"):
         offload(ctx)
-
-
-# ------------------------------------------------------------------ stage audit
-def stage_audit(ctx: Context) -> None:
-    """The placement audit (every collective's tensors on the communication device) on device
-    tensors, from the project's audit helper where this checkout has one."""
-    try:
-        from parts.comm.audit import audit_scenarios  # type: ignore[import-not-found]
-    except ImportError:
-        ctx.record("audit", "SKIP", "not available: this checkout has no placement audit "
-                                    "(parts.comm.audit.audit_scenarios)")
-        return
-    for name, problems in audit_scenarios(ctx.device).items():
-        ctx.expect(f"audit.{name}", not problems, "; ".join(problems) or f"every collective on {ctx.device.type}")

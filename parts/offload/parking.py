@@ -19,8 +19,7 @@ write reads the storage they would change or free. Once anything is parked, a gl
 plain torch optimizer that would step a parked tensor raise (it would see no grad and
 silently skip it); ``OffloadedOptimizer`` sets ``driver.active`` around its own steps. These are
 the integration points of ``parts.partition``
-(shards on disk) and ``OffloadedOptimizer`` (which steps parked tensors chunk by chunk).
-"""
+(shards on disk) and ``OffloadedOptimizer`` (which steps parked tensors chunk by chunk)."""
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from parts._compat import can_swap_storage_data, swap_storage_data
 from parts.offload._fileio import ALIGN, aligned_empty, worth_aligning
 from parts.offload.staging import staging
 from parts.offload.store import DiskStore, IOHandle
@@ -154,23 +152,12 @@ def _refill(t: torch.Tensor, record: Parked) -> None:
     direct IO needs no copy; ``set_`` moves its start, which bumps its version counter)."""
     storage = t.untyped_storage()
     extra = ALIGN if worth_aligning(record.nbytes) else 0
-    _fill(storage, record.store, record.nbytes + extra)
+    staging.fill(storage, record.store.reuse, record.nbytes + extra)
     skip = (-storage.data_ptr()) % ALIGN
     offset = skip // t.element_size() if extra and skip % t.element_size() == 0 else 0
     if offset != t.storage_offset():
         with torch.no_grad():
             t.set_(storage, offset, t.shape, t.stride())
-
-
-def _fill(storage: torch.UntypedStorage, store: DiskStore, nbytes: int) -> None:
-    """Give empty ``storage`` ``nbytes``: a block the store's ``reuse`` kept, else fresh memory,
-    pinned where an accelerator exists (its copies to the device then run asynchronously)."""
-    if store.reuse.take_into(storage, nbytes):
-        return
-    if staging.pins() and can_swap_storage_data() and storage.nbytes() == 0:
-        swap_storage_data(storage, staging.host_empty(nbytes, torch.uint8).untyped_storage())
-    else:
-        storage.resize_(nbytes)
 
 
 def prefetch(t: torch.Tensor, urgent: bool = False) -> None:

@@ -29,7 +29,9 @@ import torch
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from parts._compat import can_swap_storage_data, swap_storage_data
 from parts.base.device import accelerator_device
+from parts.base.storage_pool import StoragePool
 
 
 class Copy:
@@ -117,6 +119,12 @@ class Staging:
     def _key(self, t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
 
+    def _prune(self) -> None:
+        """Forget the copies that are done (a waiter that held the ``Copy`` itself left them)."""
+        with self._lock:
+            for key in [k for k, copy in self._fences.items() if copy.done]:
+                del self._fences[key]
+
     def _remember(self, t: torch.Tensor, copy: Copy) -> None:
         with self._lock:
             self._fences[self._key(t)] = copy
@@ -126,13 +134,16 @@ class Staging:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: wait for the copies still reading the parameters it changes."""
         if self._fences:
+            self._prune()
+        if self._fences:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     self.wait(p)
 
     def fence(self, t: torch.Tensor) -> Optional[Copy]:
-        """The copy still touching ``t``'s host memory (any view of it), or None."""
-        if t.device.type != "cpu" or not self._fences:
+        """The copy still touching ``t``'s host memory (any view of it), or None (always for a
+        tensor subclass such as a DTensor: no copy here has its memory)."""
+        if not self._fences or t.device.type != "cpu" or type(t) not in (torch.Tensor, torch.nn.Parameter):
             return None
         with self._lock:
             copy = self._fences.get(self._key(t))
@@ -179,6 +190,16 @@ class Staging:
     def pins(self) -> bool:
         """True if host memory for copies is pinned here."""
         return self.streams.pins()
+
+    def fill(self, storage: torch.UntypedStorage, pool: StoragePool, nbytes: int) -> None:
+        """Give empty ``storage`` ``nbytes``: a block ``pool`` kept, else fresh memory, pinned
+        where an accelerator exists (copies from it to the device then run asynchronously)."""
+        if pool.take_into(storage, nbytes):
+            return
+        if self.pins() and can_swap_storage_data() and storage.nbytes() == 0:
+            swap_storage_data(storage, self.host_empty(nbytes, torch.uint8).untyped_storage())
+        else:
+            storage.resize_(nbytes)
 
 
 staging = Staging()

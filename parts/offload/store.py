@@ -29,8 +29,7 @@ Ordering: operations on one key run in submission order (a read after a write re
 written bytes; a read after a failed write raises). A write must not have its source
 modified until its handle is waited. Errors surface at ``wait()`` of the operation's
 handle and again at ``flush()``; a full disk raises ``DiskFullError`` naming the file and
-the bytes that did not fit, at submission when the space reservation fails.
-"""
+the bytes that did not fit, at submission when the space reservation fails."""
 
 from __future__ import annotations
 
@@ -337,10 +336,8 @@ class DiskStore:
             self._meter.submitted(writing, now)
 
     def _run(self, op: Op, path: str, holder: list, offset: int, fence: Any = None) -> None:
-        """One piece on an IO thread (queued once the key's previous operation finished), after
-        the ``fence`` of a copy from an accelerator that fills its memory; the piece is let go
-        before the operation is marked done (the caller may free it after ``wait``)."""
-        piece, writing = holder.pop(), op.writing
+        """One piece on an IO thread, after the key's last operation and the copy filling it (``fence``)."""
+        piece, writing = holder.pop(), op.writing  # let go before the op is done: then the caller may free it
         with self._lock:
             start = time.perf_counter()
             self._meter.moving(writing, start)
