@@ -80,3 +80,39 @@ def test_stats_count_the_codes_of_per_parameter_and_flat_gathers_as_the_ledger_d
             assert stats.allgather_bytes <= 0.3 * off.allgather_bytes
             if persistence:  # one flat gather of every shard at the step's start
                 assert stats.allgather_bytes == gather_bytes(sizes, world, Codec(8, block))
+
+
+def _step_bytes(weights: bool, regather: bool) -> dict:
+    """The byte counter's totals of one SGD step (after a first) at this world size, ``_wide`` model;
+    ``regather``: every parameter gathered in forward and again in backward (no persistence, no reuse)."""
+    from parts.comm import comm_counter
+    from parts.partition import Compression, attach, partitioned, shards
+    torch.manual_seed(100)
+    with partitioned():
+        model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64))
+    knobs = dict(persistence_threshold=0, max_reuse_distance=0) if regather else {}
+    attach(model, compression=Compression(weights="int8") if weights else None, **knobs)
+    opt = torch.optim.SGD(shards(model), lr=0.05)
+    for step in range(2):
+        before = comm_counter.snapshot()
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    after = comm_counter.snapshot()
+    return {k: after[k] - before[k] for k in ("allgather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")}
+
+
+def _ratios() -> dict:
+    return {regather: (_step_bytes(False, regather), _step_bytes(True, regather)) for regather in (False, True)}
+
+
+def test_int8_weights_alone_carry_the_gathers_share_in_codes_and_the_grads_in_fp32():
+    out = run(4, _ratios)[0]
+    for regather, (off, on) in out.items():
+        assert on["reduce_scatter_bytes"] == off["reduce_scatter_bytes"]  # the grads stay fp32
+        assert on["allgather_bytes"] <= 0.26 * off["allgather_bytes"]  # every gather moves codes
+        ratio = sum(on.values()) / sum(off.values())
+        if regather:  # two gathers per reduce-scatter: (2 x 0.254 + 1) / 3
+            assert off["allgather_bytes"] == 2 * off["reduce_scatter_bytes"] and ratio <= 0.51
+        else:  # gathered once per step (persistent, or kept from forward to backward): (0.254 + 1) / 2
+            assert off["allgather_bytes"] == off["reduce_scatter_bytes"] and 0.62 <= ratio <= 0.63

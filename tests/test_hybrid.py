@@ -337,3 +337,60 @@ def test_launcher_nodes_are_whole_aligned_blocks_of_two_or_more(k, nodes, first,
         assert not node_blocks(ranks[1:] + [ranks[-1] + 1], k)  # shifted off the node boundaries
         assert node_blocks(ranks, guess) == (guess >= 2 and len(ranks) % guess == 0
                                              and len(ranks) > guess and ranks[0] % guess == 0)
+
+
+def _built(differ: str) -> tuple[dict, dict]:
+    """A model built on a 2 x 2 mesh, every rank from one seed ("none"), the second replica's last
+    layer from another ("last"), or every rank from its own ("all"): the build's bytes per group
+    and the full state."""
+    import torch.distributed as dist
+    from parts.comm import comm_counter
+    from parts.comm.counter import ledger_since
+    from parts.partition import full_state_dict, partitioned
+    rank = dist.get_rank()
+    before = comm_counter.by_group()
+    torch.manual_seed(100 + rank if differ == "all" else 100)
+    with partitioned(mesh=_mesh(2)):
+        first, second = nn.Linear(16, 64), nn.Linear(64, 4)
+        if differ == "last" and rank >= 2:
+            torch.manual_seed(5)
+        model = nn.Sequential(first, second, nn.Linear(4, 3))
+    return ledger_since(before, comm_counter.by_group()), full_state_dict(model, rank0_only=False)
+
+
+def _setups() -> dict:
+    return {differ: _built(differ) for differ in ("none", "last", "all")}
+
+
+def test_replicas_that_agree_send_only_checksums_at_setup_and_those_that_differ_take_the_first_replicas():
+    from parts.base.layout import ShardLayout
+    torch.manual_seed(100)
+    plain = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 4), nn.Linear(4, 3)).state_dict()
+    ranks = run(4, _setups)
+    sent = {differ: ranks[0][differ][0]["0,2"] for differ in ranks[0]}  # rank 0's column crosses replicas
+    shard_bytes = {k: 4 * (lambda r: r[1] - r[0])(ShardLayout(v.numel(), 2).range(0)) for k, v in plain.items()}
+    assert sent["none"].get("broadcast_bytes", 0) == 0
+    assert sent["none"]["allgather_bytes"] <= 3 * 2 * 2 * 8 + 3 * 8  # two checksums per tensor and an id per call
+    assert sent["last"]["broadcast_bytes"] == shard_bytes["2.weight"] + shard_bytes["2.bias"]
+    assert sent["all"]["broadcast_bytes"] == sum(shard_bytes.values())
+    for rank in ranks:
+        for differ, (_, state) in rank.items():
+            assert all(torch.equal(state[k], plain[k]) for k in plain), differ
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(min_size=1, max_size=3000), st.data())
+def test_a_checksum_is_a_function_of_the_bytes_and_sees_a_changed_or_swapped_byte(data, draw):
+    from parts.comm.agreeing import checksum
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    assert torch.equal(checksum(raw), checksum(raw.clone()))
+    off = draw.draw(st.integers(0, min(7, len(data) - 1)))  # a view that starts off a word boundary
+    assert torch.equal(checksum(raw[off:]), checksum(raw[off:].clone()))
+    i = draw.draw(st.integers(0, len(data) - 1))
+    changed = raw.clone()
+    changed[i] ^= draw.draw(st.integers(1, 255))
+    assert not torch.equal(checksum(changed), checksum(raw))
+    j = draw.draw(st.integers(0, len(data) - 1))
+    swapped = raw.clone()
+    swapped[i], swapped[j] = raw[j], raw[i]
+    assert torch.equal(checksum(swapped), checksum(raw)) == bool(raw[i] == raw[j])

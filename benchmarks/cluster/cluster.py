@@ -15,9 +15,11 @@ are deleted at the end, whatever happened.
 
 For each system (DDP, FSDP2 full shard, FSDP2 HSDP 2 x 2, parts full shard, parts full shard
 with two-hop collectives (``ranks_per_node``), each of those two with node-local backward
-gathers (``attach(secondary_group=node)``, ZeRO++ hpZ), parts hybrid 2 x 2 with and without
-them, and FSDP2 HSDP and parts hybrid keeping params gathered from forward to backward:
-``_keep``) on the 25M GPT of bench_zero3.py (fp32, AdamW, the same batches): the median step
+gathers (``attach(secondary_group=node)``, ZeRO++ hpZ), parts hybrid 2 x 2 at ``attach``'s
+defaults (``parts_hybrid``), with the mean at the optimizer step (``_step``), with bench_zero3's
+``persistence_threshold=0`` (``_p0``) and with node-local gathers on top (``_hpz``), and FSDP2 HSDP
+and parts hybrid keeping params gathered from forward to backward: ``_keep``) on the 25M GPT of
+bench_zero3.py (fp32, AdamW, the same batches): the median step
 time and its phases, CPU seconds per step and rank, peak RSS, the final loss, the bytes that
 crossed the link (the veth's own counters in node 0, each direction: per step over the steps
 after the first, and for the whole run, setup included), for parts the bytes its ledger counted

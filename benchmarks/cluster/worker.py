@@ -67,20 +67,16 @@ def build_fsdp2_hsdp_keep(config):
     return model, torch.optim.AdamW(model.parameters(), lr=3e-4), None
 
 
-def build_parts_hybrid(config, secondary=None, compression=None, keep=False):
-    """parts with a hybrid layout on the same mesh, the knobs of bench_zero3's ``parts``; no
-    gradient accumulation here, so the cross-replica mean overlaps each backward. ``secondary``:
-    node-local backward gathers (the shard group is the node here: they change nothing);
-    ``compression``: a ``parts.partition.Compression`` policy; ``keep``: a reuse distance that
-    spans the model, so params gathered in forward stay until backward used them (ZeRO-2 inside
-    the node, FSDP2's ``reshard_after_forward=False``)."""
-    from parts.partition import attach, partitioned, set_replica_sync, shards
+def build_parts_hybrid(config, **knobs):
+    """parts with a hybrid layout on the same mesh; no knobs: every default (the cross-replica
+    mean overlaps each backward; replicas built from one seed skip the setup broadcast). The
+    variants pass ``attach`` knobs: ``secondary_group`` (node-local backward gathers: the shard
+    group is the node here, they change nothing), ``compression``, a reuse distance spanning the
+    model (``_keep``: FSDP2's ``reshard_after_forward=False``), bench_zero3's ``persistence_threshold=0``."""
+    from parts.partition import attach, partitioned, shards
     with partitioned(mesh=_mesh()):
         model = GPT(config)
-    reuse = {"max_reuse_distance": 1 << 40} if keep else {}
-    coordinator = attach(model, persistence_threshold=0, secondary_group=secondary, compression=compression,
-                         **reuse)
-    set_replica_sync(coordinator, "backward")
+    coordinator = attach(model, **knobs)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
 
 
@@ -93,6 +89,13 @@ def build_parts_full(config, two_hop=False, secondary=None, compression=None):
         model = GPT(config)
     coordinator = attach(model, persistence_threshold=0, secondary_group=secondary, compression=compression)
     return model, torch.optim.AdamW(shards(model), lr=3e-4), coordinator
+
+
+def _step_sync(model, optimizer, coordinator):
+    """The cross-replica mean once, at the optimizer step (``set_replica_sync(model, "step")``)."""
+    from parts.partition import set_replica_sync
+    set_replica_sync(coordinator, "step")
+    return model, optimizer, coordinator
 
 
 def _slow_link(**codes):
@@ -125,10 +128,13 @@ BUILDERS = {"ddp": z.build_ddp, "fsdp2": z.build_fsdp2, "fsdp2_hsdp": build_fsdp
             "parts_hpz": lambda c: build_parts_full(c, secondary=_node_group()),
             "parts_topo_hpz": lambda c: build_parts_full(c, two_hop=True, secondary=_node_group()),
             "parts_hybrid": build_parts_hybrid,
-            "parts_hybrid_keep": lambda c: build_parts_hybrid(c, keep=True),
+            "parts_hybrid_step": lambda c: _step_sync(*build_parts_hybrid(c)),
+            "parts_hybrid_p0": lambda c: build_parts_hybrid(c, persistence_threshold=0),
+            "parts_hybrid_keep": lambda c: build_parts_hybrid(c, persistence_threshold=0, max_reuse_distance=1 << 40),
             "fsdp2_hsdp_keep": build_fsdp2_hsdp_keep,
-            "parts_hybrid_hpz": lambda c: build_parts_hybrid(c, secondary=_node_group()),
-            "parts_hybrid_g8": lambda c: build_parts_hybrid(c, compression=_slow_link(grads="int8")),
+            "parts_hybrid_hpz": lambda c: build_parts_hybrid(c, persistence_threshold=0, secondary_group=_node_group()),
+            "parts_hybrid_g8": lambda c: build_parts_hybrid(c, persistence_threshold=0,
+                                                            compression=_slow_link(grads="int8")),
             "parts_topo_w8g8": lambda c: build_parts_full(c, two_hop=True,
                                                           compression=_slow_link(weights="int8", grads="int8"))}
 

@@ -8,6 +8,9 @@ buffer, so ids are identical on every rank of the group even in long-lived proce
 ``reshard`` does the same for parameters whose full values were changed (``gathered``
 with a ``modifier_rank``, init code under ``partitioned``): broadcast from one rank,
 copy this rank's slice into the existing shard tensor in place (optimizers keep it).
+In a hybrid layout every replica then takes the first replica's values: the ranges whose
+checksums differ across the replica group are broadcast, none when the replicas agree
+(built from the same seed, loaded from the same weights).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from parts.partition.core import disk
 from parts.comm import GroupInfo, broadcast
+from parts.comm.agreeing import broadcast_differing
 from parts.base.layout import ShardLayout
 from parts.partition.core.param import (ParamMeta, ParamStatus, alloc, attach_meta,
                                    empty_like_released, is_partitioned, stamp)
@@ -163,21 +167,13 @@ def _from_first_replica(flats: list[torch.Tensor], spec: ShardSpec, first_id: in
 
 def replica_slices(flats: list[torch.Tensor], info: GroupInfo, replica: GroupInfo, extra: int = 0) -> int:
     """Overwrite this rank's shard range of each full flat tensor (sharded over ``info``) with
-    replica rank 0's, and return its ``extra``: one broadcast over ``replica``, shard-sized."""
+    replica rank 0's, and return its ``extra``: checksums across ``replica``, then one broadcast
+    of the ranges that differ (none when the replicas agree)."""
     pieces = []
     for flat in flats:
         start, stop = ShardLayout(flat.numel(), info.world_size).range(info.rank)
         pieces.append(flat[start:stop].view(torch.uint8))
-    device = flats[0].device
-    tail = torch.tensor([extra], dtype=torch.int64, device=device).view(torch.uint8)
-    buf = torch.cat(pieces + [tail])
-    broadcast(buf, 0, replica)
-    off = 0
-    with torch.no_grad():
-        for piece in pieces:
-            piece.copy_(buf[off:off + piece.numel()])
-            off += piece.numel()
-    return int(buf[-8:].clone().view(torch.int64).item())  # the pieces before it leave it unaligned
+    return broadcast_differing(pieces, replica, extra)
 
 
 def _finish(name: str, p: nn.Parameter, flat: torch.Tensor, shape: torch.Size, pid: int,
@@ -215,7 +211,7 @@ def reshard(pairs: list[tuple[nn.Parameter, ParamMeta]], src: int, keep: bool = 
         broadcast(flat, src, info)
         replica = group[0][1].replica
         if replica is not None and keep:  # the first replica's values everywhere, full tensors too
-            broadcast(flat, 0, replica)
+            broadcast_differing([flat[off:off + n].view(torch.uint8) for off, n in zip(offs, numels)], replica)
         elif replica is not None:  # the shards only: each rank's slice
             replica_slices([flat[off:off + n] for off, n in zip(offs, numels)], info, replica)
         for (p, m), off, n in zip(group, offs, numels):
