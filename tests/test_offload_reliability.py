@@ -23,9 +23,14 @@ from test_coordinator_models import batch
 from test_offload_partition import KNOBS, _build
 from parts.offload import DiskStore, OffloadedOptimizer, parking
 from parts.offload._ioqueue import Op
-from parts.partition import attach, clip_grad_norm_, detach, full_state_dict, grad_norm, shards
+from parts.partition import attach, clip_grad_norm_, detach, full_state_dict, grad_norm, meta, shards
 
 FAST = 90.0  # seconds: a regression that hangs fails here
+
+
+def shard_tensors(model):
+    """The shard tensors themselves (``shards()`` gives optimizer leaves, which may be views of them)."""
+    return [meta(p).shard for p in model.parameters()]
 
 
 def _pair(tmp: str):
@@ -207,7 +212,7 @@ def _fail_on_disk(ref, off, opt, step: int, fault: str) -> dict:
         opt.step()
     opt.zero_grad()
     staged = [k for k in opt.store.keys() if k.endswith(parking.STAGED)]
-    seen["clean"] = (sum(parking.parked(p).holds for p in shards(off)), staged)  # nothing held or staged
+    seen["clean"] = (sum(parking.parked(p).holds for p in shard_tensors(off)), staged)  # nothing held or staged
     seen["kept_weights"] = _same_weights(ref, off)
     return seen
 
