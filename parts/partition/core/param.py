@@ -52,7 +52,7 @@ from parts.comm import GroupArg, GroupInfo
 from parts.partition.core import disk
 from parts.base.layout import ShardLayout
 from parts.partition.core.grad_guard import ATTR as _ATTR
-from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, in_internal
+from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, follow_requires_grad, in_internal
 from parts.partition.core.grad_guard import internal as internal  # the records' guard, used with them
 from parts.partition.core.steps import install as install_step_hooks
 from parts.partition.core.steps import watch as watch_steps
@@ -180,6 +180,7 @@ def attach_meta(p: nn.Parameter, record: ParamMeta) -> None:
     """Store ``record`` on ``p`` (internal) and guard ``p`` while it is not AVAILABLE."""
     p.__dict__[_ATTR] = record
     record._owner = weakref.ref(p)
+    follow_requires_grad(record.shard, p.requires_grad)
     install_step_hooks()  # an optimizer over the parameter itself is refused at its first step
     own = ShardedParameter if type(p) in (nn.Parameter, ReleasedParameter) else type(p)
     try:  # a tensor subclass with another memory layout cannot switch class: left unguarded
