@@ -33,7 +33,7 @@ class Uneven(nn.Module):
 
 def _queries(p: torch.Tensor) -> tuple:
     return (p.shape, p.size(), [p.size(d) for d in range(-p.dim(), p.dim())], p.ndim, p.dim(),
-            p.ndimension(), p.numel(), p.nelement(), torch.numel(p), p.stride(),
+            p.ndimension(), p.numel(), p.nelement(), torch.numel(p), p.stride(), p.nbytes,
             len(p) if p.dim() else None)
 
 
