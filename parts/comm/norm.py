@@ -38,13 +38,15 @@ def _plain(g: torch.Tensor) -> torch.Tensor:
 
 def global_norm(grads: Iterable[torch.Tensor], info: GroupInfo, norm_type: float = 2.0,
                 norms: Iterable[torch.Tensor] = ()) -> torch.Tensor:
-    """The ``norm_type`` norm over the counted ``grads`` of every rank of ``info`` (fp32, CPU);
-    ``norms``: the ``norm_type`` norms of counted grads that are gone (stepped already)."""
+    """The ``norm_type`` norm over the counted ``grads`` of every rank of ``info`` (fp32, or
+    float64 where a grad is float64; CPU); ``norms``: the ``norm_type`` norms of counted grads
+    that are gone (stepped already)."""
     if norm_type <= 0:
         raise ValueError(f"global_norm: norm_type must be > 0, got {norm_type}")
-    local = torch.zeros((), dtype=torch.float32)
-    computed = (torch.linalg.vector_norm(_plain(g).float(), norm_type)
-                for g in grads if g is not None and g.numel() > 0)
+    grads = [g for g in grads if g is not None and g.numel() > 0]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    local = torch.zeros((), dtype=dtype)
+    computed = (torch.linalg.vector_norm(_plain(g).to(dtype), norm_type) for g in grads)
     for n in itertools.chain(computed, norms):
         n = n.cpu()
         local = torch.maximum(local, n) if math.isinf(norm_type) else local + n.pow(norm_type)
