@@ -145,6 +145,7 @@ def body_metadata() -> dict:
     out = {
         "is_param": isinstance(w, nn.Parameter), "dtype": w.dtype, "device": str(w.device),
         "requires_grad": w.requires_grad, "grad": w.grad, "numel": w.numel(), "dim": w.dim(),
+        "shape": (w.shape, w.size(), w.ndim), "full": plain.blocks[0].fc.weight.shape,
         "in_set": w in set(model.parameters()), "data_numel": w.data.numel(),
         "repr_names_it": "blocks.0.fc.weight" in repr(w), "storage": w.untyped_storage().nbytes(),
     }
@@ -169,7 +170,9 @@ def body_metadata() -> dict:
 def test_released_param_metadata_stays_usable_and_copies_refuse():
     out = run(2, body_metadata)[0]
     assert out["is_param"] and out["dtype"] == torch.float32 and out["requires_grad"]
-    assert out["grad"] is None and out["numel"] == 0 and out["dim"] == 1 and out["in_set"]
+    full = out["full"]  # shape queries answer as the full parameter; no storage is held
+    assert out["grad"] is None and out["numel"] == full.numel() and out["dim"] == len(full) and out["in_set"]
+    assert out["shape"] == (full, full, len(full))
     assert out["data_numel"] == 0 and out["storage"] == 0 and out["frozen"] and out["repr_names_it"]
     for what in ("state_dict", "deepcopy", "to"):
         assert out[what] is not None and "parameter 'blocks.0.fc.weight'" in out[what], what
@@ -213,8 +216,9 @@ def body_fresh() -> dict:
     with gathered(params):
         pass
     out = {"fresh_costs": comm_counter.snapshot()["allgather_calls"] - before}
-    for p in params:
-        meta(p).shard.add_(1.0 + rank)  # every rank changes its shard: the full tensor is stale
+    with torch.no_grad():  # a trainable parameter's shard requires grad, as the parameter
+        for p in params:
+            meta(p).shard.add_(1.0 + rank)  # every rank changes its shard: the full tensor is stale
     expected = {}
     for k, v in plain.state_dict().items():
         layout = meta(dict(model.named_parameters())[k]).layout

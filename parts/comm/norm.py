@@ -39,17 +39,16 @@ def _plain(g: torch.Tensor) -> torch.Tensor:
 def global_norm(grads: Iterable[torch.Tensor], info: GroupInfo, norm_type: float = 2.0,
                 norms: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """The ``norm_type`` norm over the counted ``grads`` of every rank of ``info`` (fp32, or
-    float64 where a grad is; CPU);
-    ``norms``: the ``norm_type`` norms of counted grads that are gone (stepped already)."""
+    float64 where a grad is float64; CPU); ``norms``: the ``norm_type`` norms of counted grads
+    that are gone (stepped already)."""
     if norm_type <= 0:
         raise ValueError(f"global_norm: norm_type must be > 0, got {norm_type}")
-    grads = [g for g in grads if g is not None]  # the dtype from every grad, empty ones too: equal on all ranks
-    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    grads = [g for g in grads if g.numel() > 0]
-    local = torch.zeros((), dtype=wide)  # fp32, or float64 where a grad is: float64 models clip exactly
-    computed = (torch.linalg.vector_norm(_plain(g).to(wide), norm_type) for g in grads)
+    grads = [g for g in grads if g is not None and g.numel() > 0]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    local = torch.zeros((), dtype=dtype)
+    computed = (torch.linalg.vector_norm(_plain(g).to(dtype), norm_type) for g in grads)
     for n in itertools.chain(computed, norms):
-        n = n.cpu().to(wide)
+        n = n.cpu()
         local = torch.maximum(local, n) if math.isinf(norm_type) else local + n.pow(norm_type)
     if math.isinf(norm_type):
         return all_reduce(local, info, ReduceOp.MAX)

@@ -2,7 +2,10 @@
 
 A sharded parameter stays the same ``nn.Parameter`` object; its record lives in the
 attribute ``_parts_meta``. While released, ``p.data`` is an empty tensor (numel 0, the
-shard dtype, the compute device); the global shape and numel are on the record.
+shard dtype, the compute device, no storage); the parameter itself answers ``shape``,
+``size()``, ``ndim``, ``dim()``, ``numel()``, ``stride()``, ``len()`` and ``nbytes`` with the full
+(gathered) values from the record at all times, as FSDP2's DTensor parameters do, so code
+that groups parameters by shape sees what it sees on the unsharded model.
 All fresh tensors of this package come from ``alloc`` so that a test can poison them.
 
 Guard. A released parameter must never silently take part in math (``p + 1`` on a
@@ -13,7 +16,7 @@ reads data); setting ``status`` to AVAILABLE gives it back its own class. Gather
 parameters therefore pay nothing per op (the class switch costs well under a
 microsecond per gather/release). Metadata stays usable while released: attributes
 (``p.data`` get/set, ``.grad``, ``.dtype``, ``.requires_grad``...) except views
-(``.T``, ``.mT``, ``.real``...), ``size()``/``dim()``/``numel()``, storage and pointer
+(``.T``, ``.mT``, ``.real``...), shape queries (the full values), storage and pointer
 queries (memory accounting), hooks, ``requires_grad_``, ``hash``; ``copy.deepcopy`` and
 pickling raise instead of copying an empty tensor. ``p.data`` is the plain (empty) tensor
 in library code (``internal``); in user code it is a ``ReleasedData`` whose data ops raise,
@@ -49,7 +52,7 @@ from parts.comm import GroupArg, GroupInfo
 from parts.partition.core import disk
 from parts.base.layout import ShardLayout
 from parts.partition.core.grad_guard import ATTR as _ATTR
-from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, in_internal
+from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, follow_requires_grad, in_internal
 from parts.partition.core.grad_guard import internal as internal  # the records' guard, used with them
 from parts.partition.core.steps import install as install_step_hooks
 from parts.partition.core.steps import watch as watch_steps
@@ -177,6 +180,7 @@ def attach_meta(p: nn.Parameter, record: ParamMeta) -> None:
     """Store ``record`` on ``p`` (internal) and guard ``p`` while it is not AVAILABLE."""
     p.__dict__[_ATTR] = record
     record._owner = weakref.ref(p)
+    follow_requires_grad(record.shard, p.requires_grad)
     install_step_hooks()  # an optimizer over the parameter itself is refused at its first step
     own = ShardedParameter if type(p) in (nn.Parameter, ReleasedParameter) else type(p)
     try:  # a tensor subclass with another memory layout cannot switch class: left unguarded
@@ -289,12 +293,67 @@ def _first_released(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     return None
 
 
+_FULL_QUERIES = frozenset({"shape", "ndim", "size", "dim", "ndimension", "numel", "nelement", "stride",
+                           "__len__", "nbytes"})
+
+
+def _query_name(func: Any) -> Optional[str]:
+    """``shape``, ``size``...: the name if ``func`` asks for the parameter's shape, else None."""
+    attr = _attr_name(func)
+    if attr is not None:
+        return attr if func.__name__ == "__get__" and attr in _FULL_QUERIES else None
+    name = getattr(func, "__name__", "")
+    return name if name in _FULL_QUERIES else None
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _full_query(name: str, m: ParamMeta, p: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    """The answer of the full (gathered) parameter ``p`` to a shape query."""
+    if name in ("shape", "ndim", "dim", "ndimension"):
+        return m.shape if name == "shape" else len(m.shape)
+    if name in ("numel", "nelement", "nbytes"):
+        return m.numel * p.element_size() if name == "nbytes" else m.numel
+    if name == "__len__":
+        if not m.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return m.shape[0]
+    dim = args[0] if args else kwargs.get("dim")
+    values = m.shape if name == "size" else torch.Size(_contiguous_strides(m.shape))
+    if dim is None:
+        return values if name == "size" else tuple(values)
+    if not -max(len(values), 1) <= dim < max(len(values), 1):
+        raise IndexError(f"Dimension out of range (expected to be in range of "
+                         f"[{-len(values)}, {len(values) - 1}], but got {dim})")
+    return values[dim] if values else 1
+
+
+def _released_owner(args: tuple) -> Optional[ParamMeta]:
+    """The record of ``args[0]`` if it is a sharded parameter that is not AVAILABLE."""
+    t = args[0] if args else None
+    m = t.__dict__.get(_ATTR) if type(t) is ReleasedParameter else None
+    return m if m is not None and m.status is not ParamStatus.AVAILABLE else None
+
+
 class ReleasedParameter(ShardedParameter):
-    """The class of a sharded parameter while its full tensor is not in ``p.data``: ops raise."""
+    """The class of a sharded parameter while its full tensor is not in ``p.data``: ops raise;
+    shape queries (``shape``, ``size()``, ``ndim``, ``dim()``, ``numel()``, ``stride()``,
+    ``len()``, ``nbytes``) answer as the full parameter does."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        query = _query_name(func)
+        if query is not None:
+            m = _released_owner(args)
+            if m is not None:
+                return _full_query(query, m, args[0], args[1:], kwargs)
         if _reads_data(func):
             p = _first_released(args, kwargs)
             if p is not None:
@@ -321,7 +380,8 @@ class ReleasedParameter(ShardedParameter):
 
 class ReleasedData(torch.Tensor):
     """``p.data`` of a released parameter in user code: empty, and any op on its data raises
-    (``p.data.zero_()`` would otherwise silently change nothing). Shape queries still work."""
+    (``p.data.zero_()`` would otherwise silently change nothing). Shape queries still work and
+    say what it is: empty (the parameter itself answers with its full shape)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
