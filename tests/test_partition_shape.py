@@ -120,7 +120,9 @@ def test_size_out_of_range_raises_like_torch():
         layer.weight.size(2)
     with pytest.raises(IndexError, match="Dimension out of range"):
         layer.bias.stride(-2)
-    assert shards(layer)[0].shape == (meta(layer.weight).layout.shard_numel,)  # shards stay flat
+    leaf, flat = shards(layer)[0], meta(layer.weight).layout.shard_numel
+    assert meta(layer.weight).shard.shape == (flat,)  # shards stay flat
+    assert leaf.shape == (7, 5) and leaf.shard_numel == flat  # the optimizer's leaf answers with the full shape
 
 
 def _requires_grad_case() -> dict:
