@@ -149,7 +149,7 @@ def disk_rss_growth(path: str) -> tuple[int, int, bool]:
     saved = [disk.stored(meta(layer.weight).shard).read_whole() for layer in model]
     grown_save = peak_growth(lambda: dcp.save({"model": sharded_state_dict(model)}, checkpoint_id=path))
     for layer in model:  # the load must bring the values back
-        with disk.rewrite(meta(layer.weight).shard):
+        with torch.no_grad(), disk.rewrite(meta(layer.weight).shard):
             meta(layer.weight).shard.zero_()
 
     def load() -> None:

@@ -1,13 +1,14 @@
 """float64 models train sharded in float64: grad shards take the parameter's dtype."""
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
 from torch import nn
 
 from harness import run
-from parts.partition import meta, partition_module, shards
+from parts.partition import clip_grad_norm_, meta, partition_module, shards
 from parts.partition.coordinator import attach
 from parts.partition.core.grads import grad_dtype
 from test_coordinator_models import full_params, rank_info
@@ -40,21 +41,25 @@ def _opt(kind: str, params) -> torch.optim.Optimizer:
             else torch.optim.SGD(params, lr=5e-2, momentum=0.9))
 
 
-def _train(model, opt, steps: int, rows: int, offset: int, dtype: torch.dtype) -> None:
+def _train(model, opt, steps: int, rows: int, offset: int, dtype: torch.dtype, clip=None) -> None:
     for step in range(steps):
         model(_batch(step, rows, offset, dtype)).backward()
+        if clip is not None:
+            clip(model)
         opt.step()
         opt.zero_grad()
 
 
-def _float64_case(kind: str, knobs: dict) -> tuple:
+def _float64_case(kind: str, knobs: dict, max_norm: Optional[float] = None) -> tuple:
     rank, world = rank_info()
     torch.manual_seed(0)
     ref = Uneven().double()
     model = partition_module(copy.deepcopy(ref))
     attach(model, **knobs)
-    _train(ref, _opt(kind, ref.parameters()), 4, ROWS * world, 0, torch.float64)
-    _train(model, _opt(kind, shards(model)), 4, ROWS, rank * ROWS, torch.float64)
+    clips = ((lambda m: nn.utils.clip_grad_norm_(m.parameters(), max_norm)),
+             (lambda m: clip_grad_norm_(m, max_norm))) if max_norm else (None, None)
+    _train(ref, _opt(kind, ref.parameters()), 4, ROWS * world, 0, torch.float64, clips[0])
+    _train(model, _opt(kind, shards(model)), 4, ROWS, rank * ROWS, torch.float64, clips[1])
     grads = {meta(p).grad_shard.dtype for p in model.parameters() if meta(p).grad_shard is not None}
     return [p.detach() for p in ref.parameters()], full_params(model), grads
 
@@ -69,6 +74,13 @@ def test_float64_sharded_training_equals_one_process(world, kind):
             for a, b in zip(ref_params, got):
                 assert b.dtype == torch.float64
                 torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
+
+
+def test_float64_clipping_by_the_global_norm_equals_torch():
+    # the global norm is summed in float64 too (a norm in fp32 would be ~1e-8 off)
+    for ref_params, got, _ in run(2, _float64_case, "sgd", {}, 0.05):
+        for a, b in zip(ref_params, got):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
 
 
 def test_float64_would_be_off_with_fp32_grads():

@@ -216,8 +216,9 @@ def body_fresh() -> dict:
     with gathered(params):
         pass
     out = {"fresh_costs": comm_counter.snapshot()["allgather_calls"] - before}
-    for p in params:
-        meta(p).shard.add_(1.0 + rank)  # every rank changes its shard: the full tensor is stale
+    with torch.no_grad():  # a trainable parameter's shard requires grad, as the parameter
+        for p in params:
+            meta(p).shard.add_(1.0 + rank)  # every rank changes its shard: the full tensor is stale
     expected = {}
     for k, v in plain.state_dict().items():
         layout = meta(dict(model.named_parameters())[k]).layout

@@ -33,7 +33,7 @@ class Uneven(nn.Module):
 
 def _queries(p: torch.Tensor) -> tuple:
     return (p.shape, p.size(), [p.size(d) for d in range(-p.dim(), p.dim())], p.ndim, p.dim(),
-            p.ndimension(), p.numel(), p.nelement(), torch.numel(p), p.stride(),
+            p.ndimension(), p.numel(), p.nelement(), torch.numel(p), p.stride(), p.nbytes,
             len(p) if p.dim() else None)
 
 
@@ -120,4 +120,49 @@ def test_size_out_of_range_raises_like_torch():
         layer.weight.size(2)
     with pytest.raises(IndexError, match="Dimension out of range"):
         layer.bias.stride(-2)
-    assert shards(layer)[0].shape == (meta(layer.weight).layout.shard_numel,)  # shards stay flat
+    leaf, flat = shards(layer)[0], meta(layer.weight).layout.shard_numel
+    assert meta(layer.weight).shard.shape == (flat,)  # shards stay flat
+    assert leaf.shape == (7, 5) and leaf.shard_numel == flat  # the optimizer's leaf answers with the full shape
+
+
+def _requires_grad_case() -> dict:
+    rank, world = rank_info()
+    torch.manual_seed(0)
+    ref = Uneven()
+    model = partition_module(copy.deepcopy(ref))
+    for m in (ref, model):
+        m.few.requires_grad_(False)  # a frozen layer
+        m.scale.requires_grad = False
+    out = {"filtered": [s.requires_grad for s in shards(model)]}
+    model.scale.requires_grad_(True)
+    out["follows"] = meta(model.scale).shard.requires_grad
+    model.scale.requires_grad = False
+    out["follows"] = (out["follows"], meta(model.scale).shard.requires_grad)
+    attach(model, persistence_threshold=0)
+    opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    opt = torch.optim.SGD([s for s in shards(model) if s.requires_grad], lr=0.1)
+    for step in range(2):
+        x = torch.randn(ROWS * world, 5, generator=torch.Generator().manual_seed(step))
+        ref(x).backward()
+        model(x[rank * ROWS:(rank + 1) * ROWS]).backward()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    out["trained"] = ([p.detach() for p in ref.parameters()], full_params(model))
+    try:  # a trainable shard is written like a trainable parameter: under torch.no_grad()
+        meta(model.a.weight).shard.add_(1.0)
+        out["write"] = "no error"
+    except RuntimeError as err:
+        out["write"] = str(err)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shards_of_trainable_params_require_grad(world):
+    for out in run(world, _requires_grad_case):
+        # row, col, a.weight, a.bias train; scale and few.weight are frozen (own params come first)
+        assert out["filtered"] == [True, True, False, True, True, False]
+        assert out["follows"] == (True, False)
+        assert "requires grad" in out["write"]
+        for a, b in zip(*out["trained"]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

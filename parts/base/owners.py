@@ -12,6 +12,7 @@ arithmetic: no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence, Union
 
 
 def assign_owners(sizes: tuple[int, ...], world_size: int) -> tuple[int, ...]:
@@ -52,12 +53,14 @@ class OwnerPlan:
         """Elements ``rank`` owns."""
         return sum(self.sizes[j] for j in self.owned(rank))
 
-    def to_owners(self, rank: int, pieces: int = 1) -> tuple[list[int], list[int]]:
-        """(send, receive) split sizes of ``rank`` in the exchange to the owners, ``pieces`` tensors of
-        one shard per parameter (a grad and a value: 2)."""
-        send = [pieces * sum(self.shard_numels[j] for j in self.owned(d)) for d in range(self.world_size)]
-        mine = pieces * sum(self.shard_numels[j] for j in self.owned(rank))
-        return send, [mine] * self.world_size
+    def to_owners(self, rank: int, pieces: Union[int, Sequence[int]] = 1) -> tuple[list[int], list[int]]:
+        """(send, receive) split sizes of ``rank`` in the exchange to the owners: ``pieces`` tensors of
+        one shard per parameter (a grad, and its values where the owner's copy is stale: 2), one
+        count for all or one per parameter."""
+        counts = [pieces] * len(self.sizes) if isinstance(pieces, int) else list(pieces)
+        per = [counts[j] * self.shard_numels[j] for j in range(len(self.sizes))]
+        send = [sum(per[j] for j in self.owned(d)) for d in range(self.world_size)]
+        return send, [send[rank]] * self.world_size
 
     def from_owners(self, rank: int) -> tuple[list[int], list[int]]:
         """(send, receive) split sizes of ``rank`` in the exchange back from the owners (one value shard each)."""

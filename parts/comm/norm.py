@@ -69,16 +69,17 @@ def local_norms(grads: Iterable[Optional[Grad]], norm_type: float,
     return out
 
 
-def local_sum(norms: Iterable[torch.Tensor], device: torch.device, norm_type: float) -> torch.Tensor:
-    """``sum n^p`` (max for inf, count for 0) of ``norms`` as an fp32 scalar on ``device``, added in
+def local_sum(norms: Iterable[torch.Tensor], device: torch.device, norm_type: float,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``sum n^p`` (max for inf, count for 0) of ``norms`` as a ``dtype`` scalar on ``device``, added in
     order: on the norms' own device where they share one (one copy to ``device`` at the end: no
     host sync per norm when gloo carries CUDA grads), else on ``device``."""
     norms = list(norms)
     devices = {n.device for n in norms}
     where = devices.pop() if len(devices) == 1 else device
-    local = torch.zeros((), dtype=torch.float32, device=where)
+    local = torch.zeros((), dtype=dtype, device=where)
     for n in norms:
-        n = n.to(where)
+        n = n.to(where, dtype)
         if math.isinf(norm_type):
             local = torch.maximum(local, n)
         else:
@@ -88,22 +89,26 @@ def local_sum(norms: Iterable[torch.Tensor], device: torch.device, norm_type: fl
 
 def global_norm(grads: Iterable[Optional[Grad]], info: GroupInfo, norm_type: float = 2.0,
                 norms: Iterable[torch.Tensor] = ()) -> torch.Tensor:
-    """The ``norm_type`` norm over the counted ``grads`` of every rank of ``info`` (fp32, on the
-    group's communication device: reading it is the one host sync); ``norms``: the
-    ``norm_type`` norms of counted grads that are gone (stepped already)."""
+    """The ``norm_type`` norm over the counted ``grads`` of every rank of ``info`` (fp32, or float64
+    where a grad in memory is float64; on the group's communication device: reading it is the one
+    host sync); ``norms``: the ``norm_type`` norms of counted grads that are gone (stepped already)."""
     if norm_type <= 0:
         raise ValueError(f"global_norm: norm_type must be > 0, got {norm_type}")
-    local = local_sum(itertools.chain(local_norms(grads, norm_type), norms), comm_device(info), norm_type)
+    grads = list(grads)
+    wide = any(g is not None and not callable(g) and g.dtype == torch.float64 for g in grads)
+    dtype = torch.float64 if wide else torch.float32
+    local = local_sum(itertools.chain(local_norms(grads, norm_type, dtype), norms), comm_device(info),
+                      norm_type, dtype)
     total = all_reduce(local, info, ReduceOp.MAX if math.isinf(norm_type) else ReduceOp.SUM)
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 
-def clip_coef(max_norm: float, norm: float) -> float:
-    """``min(1, max_norm / (norm + 1e-6))`` in fp32 as ``torch.nn.utils.clip_grad_norm_`` computes
-    it, from the norm read to the host; 1.0 for a non-finite norm (nothing is scaled)."""
+def clip_coef(max_norm: float, norm: float, dtype: torch.dtype = torch.float32) -> float:
+    """``min(1, max_norm / (norm + 1e-6))`` in the norm's ``dtype`` as ``torch.nn.utils.clip_grad_norm_``
+    computes it, from the norm read to the host; 1.0 for a non-finite norm (nothing is scaled)."""
     if not math.isfinite(norm):
         return 1.0
-    host = torch.tensor(norm, dtype=torch.float32, device="cpu")
+    host = torch.tensor(norm, dtype=dtype, device="cpu")
     return float(torch.clamp(max_norm / (host + 1e-6), max=1.0))
 
 

@@ -116,7 +116,8 @@ class ShardedParam:
         if disk.parked_version(self.record.shard) is not None:
             disk.overwrite(self.record.shard, self.master)
         else:
-            self.record.shard.copy_(self.master)
+            with torch.no_grad():  # a trainable parameter's shard requires grad, as the parameter
+                self.record.shard.copy_(self.master)
         self.version = self._version()
 
     def zero_grad(self, set_to_none: bool) -> None:

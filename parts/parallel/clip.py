@@ -49,5 +49,5 @@ def clip_grad_norm_2d(params: Iterable[torch.Tensor], max_norm: float, grid: "Pa
     params = list(params)
     norm = grad_norm_2d(params, grid, grad_fn=grad_fn, norm_type=norm_type,
                         dp_replicated=dp_replicated)
-    scale_([grad_fn(p) for p in params], clip_coef(max_norm, norm.item()))
+    scale_([grad_fn(p) for p in params], clip_coef(max_norm, norm.item(), norm.dtype))
     return norm

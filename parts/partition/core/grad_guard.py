@@ -30,6 +30,7 @@ from parts._compat import TENSOR_BASE, default_torch_function
 ATTR = "_parts_meta"
 _raw_grad = TENSOR_BASE.grad
 _raw_data = TENSOR_BASE.data
+_raw_requires_grad = TENSOR_BASE.requires_grad
 
 
 class _Internal(contextlib.ContextDecorator, threading.local):
@@ -96,13 +97,35 @@ def _set_data(p: torch.Tensor, value: torch.Tensor) -> None:
     _raw_data.__set__(p, value)
 
 
+def _set_requires_grad(p: torch.Tensor, flag: bool) -> None:
+    _raw_requires_grad.__set__(p, flag)
+    record = p.__dict__.get(ATTR)
+    if record is not None:
+        follow_requires_grad(record.shard, flag)
+
+
+def follow_requires_grad(shard: torch.Tensor, flag: bool) -> None:
+    """Give a shard its parameter's ``requires_grad`` (a frozen parameter's shard looks frozen to a
+    ``requires_grad`` filter); the shard's grad comes from the grad reduction, never from autograd."""
+    if shard.is_leaf and (shard.is_floating_point() or shard.is_complex()) and shard.requires_grad != flag:
+        shard.requires_grad_(flag)
+
+
 class ShardedParameter(nn.Parameter):
-    """The class of a sharded (plain ``nn.Parameter``) parameter: ``p.grad`` is guarded."""
+    """The class of a sharded (plain ``nn.Parameter``) parameter: ``p.grad`` is guarded, and
+    ``requires_grad`` is mirrored on the shard."""
 
     grad = property(_get_grad, _raw_grad.__set__, _raw_grad.__delete__,
                     doc="The full gradient; raises while the gradient is in the grad shard.")
     data = property(_raw_data.__get__, _set_data,
                     doc="The tensor's data; replacing it by one of another shape raises.")
+    requires_grad = property(_raw_requires_grad.__get__, _set_requires_grad,
+                             doc="Whether the parameter trains; its shard follows.")
+
+    def requires_grad_(self, requires_grad: bool = True) -> "ShardedParameter":
+        """Set ``requires_grad`` on the parameter and its shard."""
+        _set_requires_grad(self, requires_grad)
+        return self
 
     def __deepcopy__(self, memo: dict) -> nn.Parameter:
         """A gathered sharded parameter copies to an ordinary full ``nn.Parameter``."""

@@ -16,7 +16,8 @@ disagree.
 
 ``shards`` returns the shard tensors themselves; when a grad shard has the shard's dtype
 and device it *is* ``shard.grad``, so ``torch.optim.AdamW(shards(model))`` steps the
-shards, and ``optimizer.zero_grad()`` clears the grad shards. bf16 shards with fp32 grad
+shards, and ``optimizer.zero_grad()`` clears the grad shards. A shard has its parameter's
+``requires_grad`` (a ``requires_grad`` filter over shards leaves out frozen parameters). bf16 shards with fp32 grad
 shards cannot carry them as ``.grad`` (torch requires equal dtypes): ``shards`` raises
 for shards that are neither fp32 nor float64 and names ``BF16Optimizer`` (fp32 master weights).
 """
@@ -32,6 +33,7 @@ from torch import nn
 from parts.comm import GroupArg, reduce_scatter_many
 from parts.partition.core import disk
 from parts.partition.core.compression import compressed_grads, reduce_compressed
+from parts.partition.core.grad_guard import follow_requires_grad
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 from parts.partition.core.replicas import before_landing
 
@@ -177,10 +179,11 @@ def shaped_shard(m: Any) -> torch.Tensor:
 
 
 def shards(module_or_params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[torch.Tensor]:
-    """The local shard tensors (leaves whose ``.grad`` is the grad shard) for a torch optimizer; a
-    parameter of two or more dimensions gives a leaf over its shard that answers with the full shape,
-    which the optimizer's first step replaces by the shard or, for a shape-aware optimizer, by a whole
-    tensor stepped by an owner rank (parts.partition.route)."""
+    """The local shard tensors (leaves whose ``.grad`` is the grad shard and whose ``requires_grad``
+    is their parameter's) for a torch optimizer; a parameter of two or more dimensions gives a leaf
+    over its shard that answers with the full shape, which the optimizer's first step replaces by the
+    shard or, for a shape-aware optimizer, by a whole tensor stepped by an owner rank
+    (parts.partition.route)."""
     params = (module_or_params.parameters() if isinstance(module_or_params, nn.Module)
               else module_or_params)
     out, seen = [], set()
@@ -198,5 +201,6 @@ def shards(module_or_params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[t
                             f"shards cannot be attached as .grad (torch needs equal dtypes), so a "
                             f"plain optimizer would silently skip them. Use parts.optim.BF16Optimizer "
                             f"(fp32 master) or step meta(p).shard with meta(p).grad_shard yourself")
+        follow_requires_grad(m.shard, p.requires_grad)
         out.append(shaped_shard(m) if len(m.shape) >= 2 else m.shard)
     return out

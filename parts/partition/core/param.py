@@ -3,7 +3,7 @@
 A sharded parameter stays the same ``nn.Parameter`` object; its record lives in the
 attribute ``_parts_meta``. While released, ``p.data`` is an empty tensor (numel 0, the
 shard dtype, the compute device, no storage); the parameter itself answers ``shape``,
-``size()``, ``ndim``, ``dim()``, ``numel()``, ``stride()`` and ``len()`` with the full
+``size()``, ``ndim``, ``dim()``, ``numel()``, ``stride()``, ``len()`` and ``nbytes`` with the full
 (gathered) values from the record at all times, as FSDP2's DTensor parameters do, so code
 that groups parameters by shape sees what it sees on the unsharded model.
 All fresh tensors of this package come from ``alloc`` so that a test can poison them.
@@ -52,7 +52,7 @@ from parts.comm import GroupArg, GroupInfo
 from parts.partition.core import disk
 from parts.base.layout import ShardLayout
 from parts.partition.core.grad_guard import ATTR as _ATTR
-from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, in_internal
+from parts.partition.core.grad_guard import ShardedParameter, as_grad_shard, follow_requires_grad, in_internal
 from parts.partition.core.grad_guard import internal as internal  # the records' guard, used with them
 from parts.partition.core.steps import install as install_step_hooks
 from parts.partition.core.steps import watch as watch_steps
@@ -180,6 +180,7 @@ def attach_meta(p: nn.Parameter, record: ParamMeta) -> None:
     """Store ``record`` on ``p`` (internal) and guard ``p`` while it is not AVAILABLE."""
     p.__dict__[_ATTR] = record
     record._owner = weakref.ref(p)
+    follow_requires_grad(record.shard, p.requires_grad)
     install_step_hooks()  # an optimizer over the parameter itself is refused at its first step
     own = ShardedParameter if type(p) in (nn.Parameter, ReleasedParameter) else type(p)
     try:  # a tensor subclass with another memory layout cannot switch class: left unguarded
@@ -293,7 +294,7 @@ def _first_released(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
 
 
 _FULL_QUERIES = frozenset({"shape", "ndim", "size", "dim", "ndimension", "numel", "nelement", "stride",
-                           "__len__"})
+                           "__len__", "nbytes"})
 
 
 def _query_name(func: Any) -> Optional[str]:
@@ -313,12 +314,12 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _full_query(name: str, m: ParamMeta, args: tuple, kwargs: dict) -> Any:
-    """The answer of the full (gathered) parameter to a shape query."""
+def _full_query(name: str, m: ParamMeta, p: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    """The answer of the full (gathered) parameter ``p`` to a shape query."""
     if name in ("shape", "ndim", "dim", "ndimension"):
         return m.shape if name == "shape" else len(m.shape)
-    if name in ("numel", "nelement"):
-        return m.numel
+    if name in ("numel", "nelement", "nbytes"):
+        return m.numel * p.element_size() if name == "nbytes" else m.numel
     if name == "__len__":
         if not m.shape:
             raise TypeError("len() of a 0-d tensor")
@@ -343,7 +344,7 @@ def _released_owner(args: tuple) -> Optional[ParamMeta]:
 class ReleasedParameter(ShardedParameter):
     """The class of a sharded parameter while its full tensor is not in ``p.data``: ops raise;
     shape queries (``shape``, ``size()``, ``ndim``, ``dim()``, ``numel()``, ``stride()``,
-    ``len()``) answer as the full parameter does."""
+    ``len()``, ``nbytes``) answer as the full parameter does."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -352,7 +353,7 @@ class ReleasedParameter(ShardedParameter):
         if query is not None:
             m = _released_owner(args)
             if m is not None:
-                return _full_query(query, m, args[1:], kwargs)
+                return _full_query(query, m, args[0], args[1:], kwargs)
         if _reads_data(func):
             p = _first_released(args, kwargs)
             if p is not None:

@@ -110,7 +110,7 @@ def clip_grad_norm_(model_or_params: Params, max_norm: float, norm_type: float =
     if error_if_nonfinite and not math.isfinite(value):
         raise RuntimeError(f"clip_grad_norm_: the global gradient norm of order {norm_type} is "
                            f"{value}; pass error_if_nonfinite=False to leave the grads unscaled")
-    coef = clip_coef(max_norm, value)
+    coef = clip_coef(max_norm, value, norm.dtype)
     if coef >= 1.0:
         return norm
     _refuse_consumed(params, value, max_norm)

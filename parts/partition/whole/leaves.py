@@ -75,7 +75,7 @@ class ShapedShard(torch.Tensor):
 
 def shaped_shard(record: Any) -> torch.Tensor:
     """A ``ShapedShard`` over ``record.shard``."""
-    leaf = alias_as(ShapedShard, record.shard, requires_grad=True)
+    leaf = alias_as(ShapedShard, record.shard, requires_grad=record.shard.requires_grad)
     leaf.__dict__[_RECORD] = weakref.ref(record)
     return leaf
 

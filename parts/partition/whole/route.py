@@ -74,13 +74,16 @@ def route(optimizer: torch.optim.Optimizer, path: Optional[str] = None) -> str:
         for _, _, record, own in slots:
             if not own:
                 raise RuntimeError(_masters_message(optimizer, record))
-    if any(optimizer.state.get(optimizer.param_groups[g]["params"][i]) for g, i, _, _ in slots):
+    if chosen == WHOLE and any(optimizer.state.get(optimizer.param_groups[g]["params"][i]) for g, i, _, _ in slots):
         raise RuntimeError(f"parts.partition: {type(optimizer).__name__} has state for its shards before its path "
                            f"was settled; call parts.partition.route(optimizer) right after building it")
     stepper = WholeStepper(optimizer, [record for _, _, record, _ in slots]) if chosen == WHOLE else None
     for g, i, record, own in slots:
         params = optimizer.param_groups[g]["params"]
-        params[i] = stepper.by_record[id(record)] if stepper is not None else (record.shard if own else params[i])
+        old = params[i]
+        params[i] = stepper.by_record[id(record)] if stepper is not None else (record.shard if own else old)
+        if params[i] is not old and old in optimizer.state:  # state loaded before the first step: the shard's
+            optimizer.state[params[i]] = optimizer.state.pop(old)
     _routed[optimizer] = (chosen, stepper)
     return chosen
 

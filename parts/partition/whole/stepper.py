@@ -4,10 +4,12 @@
 (``parts.base.owners.OwnerPlan``, balanced by size); in the optimizer's param groups the owner
 holds a full-shape tensor, every other rank an empty placeholder that never has a grad, so
 the optimizer's state for a parameter exists on its owner only. Before each step one
-all-to-all brings every rank's value shard and grad shard of a parameter to its owner (the
-grads were averaged by the reduce-scatter already: together the two move what one reduce to
-the owner would); the user's optimizer then steps the full tensors with their full grads; after
-it one all-to-all sends each rank its shard of the updated values. The grad shards stay until
+all-to-all brings every rank's grad shard of a parameter to its owner (the grads were averaged
+by the reduce-scatter already: together the two move what one reduce to the owner would); the
+owner keeps its full copy of the values between steps, and the value shards travel too only
+where a shard changed since (the first step, a loaded checkpoint: a one-flag-per-parameter
+all-reduce says so). The user's optimizer then steps the full tensors with their full grads;
+after it one all-to-all sends each rank its shard of the updated values. The grad shards stay until
 ``optimizer.zero_grad()``, which clears them.
 """
 
@@ -20,9 +22,9 @@ from typing import Any
 import torch
 
 from parts.base.owners import OwnerPlan
-from parts.comm import all_to_all, comm_device
+from parts.comm import ReduceOp, all_reduce, all_to_all, comm_device
 from parts.partition.core import disk
-from parts.partition.core.param import alloc, internal
+from parts.partition.core.param import alloc, internal, shard_version
 
 
 def _refuse_parked(records: list, name: str) -> None:
@@ -50,6 +52,7 @@ class WholeStepper:
         self.plan = OwnerPlan(tuple(m.numel for m in self.records),
                               tuple(m.layout.shard_numel for m in self.records), self.info.world_size)
         self.tensors = [self._slot(j, m) for j, m in enumerate(self.records)]
+        self.stamps: list[Any] = [None] * len(self.records)  # shard versions when the owners' copies were made
         self.by_record = {id(m): t for m, t in zip(self.records, self.tensors)}
         self._install_zero_grad(optimizer)
         self._optimizer = weakref.ref(optimizer)
@@ -83,38 +86,48 @@ class WholeStepper:
                         grad.zero_()
         optimizer.__dict__["zero_grad"] = types.MethodType(zero_grad, optimizer)
 
+    def _stale(self) -> list[bool]:
+        """Per parameter: has any rank's shard changed since the owner's full copy was last made?
+        (a tiny all-reduce; the first step, a loaded checkpoint or a re-sharded weight say yes)"""
+        mine = [self.stamps[j] != shard_version(m) for j, m in enumerate(self.records)]
+        flags = torch.tensor(mine, dtype=torch.int32, device=comm_device(self.info))
+        return [bool(f) for f in all_reduce(flags, self.info, ReduceOp.MAX).tolist()]
+
     @internal
     def before(self) -> None:
-        """Bring every rank's value and grad shards to the owners; give the full tensors their grads."""
+        """Bring every rank's grad shards (and value shards where the owner's copy is stale) to the
+        owners; give the full tensors their grads."""
         rank, device = self.info.rank, comm_device(self.info)
-        send_splits, recv_splits = self.plan.to_owners(rank, pieces=2)
-        send = torch.cat([piece for d in range(self.info.world_size) for j in self.plan.owned(d)
-                          for piece in self._pieces(self.records[j])]).to(device) if sum(send_splits) else \
-            torch.empty(0, dtype=self.dtype, device=device)
+        stale = self._stale()
+        pieces = [2 if s else 1 for s in stale]
+        send_splits, recv_splits = self.plan.to_owners(rank, pieces)
+        parts = [piece for d in range(self.info.world_size) for j in self.plan.owned(d)
+                 for piece in self._pieces(self.records[j], stale[j])]
+        send = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=self.dtype, device=device)
         recv = alloc(sum(recv_splits), self.dtype, device)
         all_to_all(recv, send, recv_splits, send_splits, self.info)
         owned = self.plan.owned(rank)
         for j, t in enumerate(self.tensors):
             if self.plan.owners[j] != rank:
                 t.grad = None  # a placeholder never steps (a state-making step gives every tensor a grad)
-        chunks = recv.split(recv_splits)
+        sizes = [pieces[i] * self.plan.shard_numels[i] for i in owned]
+        chunks = [c.split(sizes) for c in recv.split(recv_splits)]
         for k, j in enumerate(owned):
-            self._assemble(j, [c.split([2 * self.plan.shard_numels[i] for i in owned])[k] for c in chunks])
+            self._assemble(j, [c[k] for c in chunks], stale[j])
 
-    def _pieces(self, m: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pieces(self, m: Any, stale: bool) -> tuple[torch.Tensor, ...]:
         grad = m.grad_shard
-        grad = torch.zeros_like(m.shard) if grad is None else grad.to(self.dtype)
-        return m.shard.detach(), grad.reshape(-1)
+        grad = torch.zeros_like(m.shard) if grad is None else grad.to(self.dtype).reshape(-1)
+        return (grad, m.shard.detach()) if stale else (grad,)
 
-    def _assemble(self, j: int, pieces: list[torch.Tensor]) -> None:
-        """The full tensor ``j`` and its grad from each rank's (value, grad) pair."""
+    def _assemble(self, j: int, pieces: list[torch.Tensor], stale: bool) -> None:
+        """The full grad of ``j`` (and its values, if stale) from each rank's pieces."""
         m, full = self.records[j], self.tensors[j]
         sn = self.plan.shard_numels[j]
-        values = torch.cat([p[:sn] for p in pieces])[:m.numel]
-        grads = torch.cat([p[sn:] for p in pieces])[:m.numel]
-        full.detach().copy_(values.view(m.shape))
+        if stale:
+            full.detach().copy_(torch.cat([p[sn:] for p in pieces])[:m.numel].view(m.shape))
         if m.grad_shard is not None:  # else keep a grad set on the full tensor itself (a state-making lr-0 step)
-            full.grad = grads.view(m.shape).to(full.device).clone()
+            full.grad = torch.cat([p[:sn] for p in pieces])[:m.numel].view(m.shape).to(full.device)
 
     @internal
     def after(self) -> None:
@@ -141,3 +154,4 @@ class WholeStepper:
             mine = self.plan.owned(d)
             for j, piece in zip(mine, chunk.split([self.plan.shard_numels[i] for i in mine])):
                 self.records[j].shard.detach().copy_(piece.to(self.records[j].shard.device))
+        self.stamps = [shard_version(m) for m in self.records]  # the owners' copies equal the shards now
