@@ -100,7 +100,6 @@ class OffloadedOptimizer(StateAccess, OptimizerWrapper):
         self._patch_step_function()
         self._offload_all()
 
-    # ----------------------------------------------------- what schedulers and users read
     @property
     def state(self) -> Any:  # type: ignore[override]
         """The wrapped optimizer's in-memory state (offloaded tensors are absent: ``state_of``)."""

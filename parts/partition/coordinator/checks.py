@@ -137,3 +137,16 @@ def _alike(every: list[dict], option: str, value: Callable[[dict], Any]) -> None
                         for v, r in passed.items())
         raise ValueError(f"attach: the ranks of the model disagree on {option} ({who}); every rank "
                          f"must pass the same (each would issue other collectives: a hang or wrong values)")
+
+
+def external_of(table: Any, module: nn.Module, param: nn.Parameter) -> tuple[int, int]:
+    """(module index, parameter id) for ``register_external_parameter``; ValueError naming the module
+    if either is not part of the attached model."""
+    index = table.index.get(id(module))
+    if index is None:
+        raise ValueError(f"register_external_parameter: module {type(module).__name__} is not "
+                         "part of the model this coordinator is attached to")
+    if not is_partitioned(param) or meta(param).id not in table.params:
+        raise ValueError("register_external_parameter: the parameter is not a sharded parameter "
+                         f"of the attached model (module '{table.names[index]}')")
+    return index, meta(param).id

@@ -18,9 +18,6 @@ only when called outside it:
   (the last 4 distinct traces of a phase are kept, so alternating graphs replay both).
   A "step" is one or more forwards and the backward that follows (or one no-grad forward).
 
-The element-count knobs are documented on ``plan.Knobs``; ``mixed_precision`` and
-``sync_buffers`` on ``FetchCoordinator``.
-
 What all ranks must share: the same submodules run in the same order (every fetch and
 reduce-scatter is a collective). ``debug=True`` makes the ranks agree on (phase, step,
 event, module) before every collective of a step (fetch, prefetch, refresh, reduce-scatter)
@@ -46,7 +43,7 @@ from parts.partition.construction.construct import drop_forward_check, restore_f
 from parts.partition.interop.convert import install_apply, remove_apply
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.attached import Attached, Through
-from parts.partition.coordinator.checks import agree_to_attach, agreement_scopes
+from parts.partition.coordinator.checks import agree_to_attach, agreement_scopes, external_of
 from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, eager,
                                                register_pre_backward)
 from parts.partition.coordinator.plan import Knobs
@@ -54,7 +51,7 @@ from parts.partition.coordinator.stats import CoordinatorStats
 from parts.partition.coordinator.step import ModuleCall, StepState
 from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name
 from parts.partition.core import points
-from parts.partition.core.param import is_partitioned, meta
+from parts.partition.core.param import meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
 from parts.partition.core.compression import Compression, apply_compression, check_compression
 
@@ -66,11 +63,8 @@ _attached = AttachedLookup()
 class FetchCoordinator:
     """Fetches and releases sharded parameters around every fetch unit; see ``attach``.
 
-    The hooks and the step lifecycle live here; the state in pieces built at ``attach``:
-    ``table`` (modules, units, parameters, persistence), ``live`` (gathered parameters, use
-    counts, budget, storage pool), ``prefetcher`` (traces, plan, prefetch gathers) and
-    ``reducer`` (grad buckets, reduce-scatters), ``steps`` (each phase's step in progress, how
-    steps begin and end: steps.py). The element-count knobs are ``plan.Knobs``.
+    The hooks and the step lifecycle live here; the state in the pieces ``attach`` builds
+    (attached.py; docs/architecture.md). The element-count knobs are ``plan.Knobs``.
     ``mixed_precision``: a ``MixedPrecision`` policy (fp32 shards gathered as ``param_dtype``,
     grads reduce-scattered in ``reduce_dtype``; core/precision.py).
     ``sync_buffers`` (default True, DDP's ``broadcast_buffers``): rank 0's buffers are broadcast
@@ -111,7 +105,6 @@ class FetchCoordinator:
         """The module this coordinator is attached to (None while detached)."""
         return self._state.root if self._state is not None else None
 
-    # ----------------------------------------------------------------- attach / detach
     def attach(self, module: nn.Module) -> "FetchCoordinator":
         """Install the hooks on ``module`` (sharded by ``partitioned``/``partition_module``)."""
         if self._root is not None:
@@ -208,19 +201,11 @@ class FetchCoordinator:
         flat = self.flat_ids
         return all(pid in flat for pid in ids)
 
-    # ------------------------------------------------------------- external parameters
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """Gather ``param`` (owned by another module) whenever ``module`` runs, forward and backward."""
         if self._root is None:
             raise RuntimeError("register_external_parameter: attach the coordinator first")
-        index = self.table.index.get(id(module))
-        if index is None:
-            raise ValueError(f"register_external_parameter: module {type(module).__name__} is not "
-                             "part of the model this coordinator is attached to")
-        if not is_partitioned(param) or meta(param).id not in self.table.params:
-            raise ValueError("register_external_parameter: the parameter is not a sharded parameter "
-                             f"of the attached model (module '{self.table.names[index]}')")
-        self._add_external(index, meta(param).id)
+        self._add_external(*external_of(self.table, module, param))
 
     def _add_external(self, index: int, pid: int) -> None:
         index = self._units.get(index, index)
@@ -243,7 +228,6 @@ class FetchCoordinator:
         self.live.gather([pid], async_op=False)
         self.live.use([pid])
 
-    # ----------------------------------------------------------------------- fetch
     def _fetch(self, call: ModuleCall, kind: str) -> None:
         """Gather what ``call`` needs (releasing idle params to fit the budget), then prefetch."""
         step = self.steps.current[call.phase]
@@ -255,7 +239,6 @@ class FetchCoordinator:
         self.live.use(set(call.ids))
         self.prefetcher.prefetch(step)
 
-    # ------------------------------------------------------------------ step lifecycle
     def _phase_of(self, module: nn.Module) -> str:
         if self._stack:
             return self._stack[0].phase
@@ -275,7 +258,6 @@ class FetchCoordinator:
         last = self.steps.last if self._root is not None else None
         return last if last is not None else self._last
 
-    # ---------------------------------------------------------------- forward hooks
     @eager
     def _pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
         if self._root is None:
@@ -337,7 +319,6 @@ class FetchCoordinator:
                 return call
         return None
 
-    # ---------------------------------------------------------------- backward hooks
     def _pre_backward(self, index: int, phase: str) -> None:
         if self._root is None:
             return
