@@ -3,6 +3,7 @@
     python benchmarks/bench_compression.py                       # the recipe's GPT, world 4, 200 steps
     python benchmarks/bench_compression.py --model 25m --steps 30  # the 25M GPT of bench_zero3
                                                                    # (recorded as bench_compression_25m)
+    python benchmarks/bench_compression.py --device cuda         # four GPUs, NCCL; records bench_compression_cuda
 
 One run of four ranks (gloo) trains the same GPT (recipes/gpt_model.py) from the same seed on
 the same batches of Python text from the standard library (recipes/chardata.py: random tokens
@@ -19,7 +20,6 @@ error-feedback residual memory and the median step time (a shared machine: read 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import sys
@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
 
@@ -40,13 +41,15 @@ SETTINGS = {"off": None, "w8": dict(weights="int8"), "w8g8": dict(weights="int8"
             "w8g4": dict(weights="int8", grads="int4")}
 KINDS = ("allgather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
 TAIL = 10  # steps averaged into the final loss
+_DEVICE = [torch.device("cpu")]  # this rank's device, set from --device
 
 
 def _layout(name: str) -> dict:
     if name == "full":
         return {}
     from torch.distributed.device_mesh import init_device_mesh
-    return {"mesh": init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))}
+    shape = (2, dist.get_world_size() // 2)
+    return {"mesh": init_device_mesh(_DEVICE[0].type, shape, mesh_dim_names=("replicate", "shard"))}
 
 
 def _batches(config: GPTConfig, steps: int, batch: int, rank: int) -> list:
@@ -61,7 +64,7 @@ def _train(layout: str, setting: str, config: GPTConfig, batches: list) -> dict:
     from parts.comm import comm_counter
     from parts.partition import Compression, attach, partitioned, shards
     torch.manual_seed(0)
-    with partitioned(**_layout(layout)):
+    with partitioned(device=_DEVICE[0], **_layout(layout)):
         model = GPT(config)
     spec = SETTINGS[setting]
     coordinator = attach(model, compression=Compression(**spec) if spec else None)
@@ -69,11 +72,14 @@ def _train(layout: str, setting: str, config: GPTConfig, batches: list) -> dict:
     losses, times = [], []
     before = comm_counter.snapshot()
     for inputs, targets in batches:
+        inputs, targets = devices.to(_DEVICE[0], inputs, targets)
+        devices.sync(_DEVICE[0])
         started = time.perf_counter()
         loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        devices.sync(_DEVICE[0])
         times.append(time.perf_counter() - started)
         losses.append(loss.detach())
     moved = {k: (comm_counter.snapshot()[k] - before[k]) // len(batches) for k in KINDS}
@@ -84,9 +90,8 @@ def _train(layout: str, setting: str, config: GPTConfig, batches: list) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _DEVICE[0] = devices.init_spawned(args.device, rank, world, port)  # gloo, or NCCL on GPU ``rank``
     shape = MODELS[args.model]
     config = GPTConfig(block_size=shape["seq"], n_layer=shape["n_layer"], n_head=shape["n_head"],
                        n_embd=shape["n_embd"])
@@ -119,8 +124,8 @@ def _rows(results: dict, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    """Run every layout and setting in one 4-rank job, print and record the table."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="recipe")
     parser.add_argument("--steps", type=int, default=200)
@@ -128,7 +133,15 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["full", "hybrid"], choices=["full", "hybrid"])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args()
+    devices.add_device_flag(parser)
+    args = parser.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    """Run every layout and setting in one 4-rank job, print and record the table."""
+    args = parse_args()
     if "off" not in args.settings:
         args.settings.insert(0, "off")
     with socket.socket() as sock:
@@ -144,7 +157,8 @@ def main() -> None:
     summary = {"model": f"{args.model} GPT ({MODELS[args.model]})", "steps": args.steps,
                "sequences per rank and step": args.batch, "wall_s": round(time.perf_counter() - started)}
     if not args.no_record:
-        name = "bench_compression" if args.model == "recipe" else f"bench_compression_{args.model}"
+        name = "bench_compression" + "".join(f"_{v}" for v, default in ((args.model, "recipe"), (args.device, "cpu"))
+                                             if v != default)
         record(name, {"rows": rows, "summary": summary})
 
 

@@ -4,6 +4,7 @@ Also the peak RSS of ``parts.export``.
 
     python benchmarks/bench_generate.py                  # GPT-2 n_embd 256, 4 layers, world 2, 24 tokens
     python benchmarks/bench_generate.py --tokens 48 --rounds 5
+    python benchmarks/bench_generate.py --device cuda     # generation on two GPUs, NCCL; records bench_generate_cuda
 
 Generation: every rank of a world-2 gloo group generates ``--tokens`` greedy tokens from its
 own prompt with (a) the unsharded HF GPT-2 (each rank a full copy: the reference), (b) the
@@ -17,7 +18,8 @@ mode's tokens must equal the unsharded model's.
 
 Export: a world-2 parts checkpoint of ``--export-mib`` MiB (Linear layers of 1 MiB each, so
 stored pieces of 0.5 MiB) is exported in a fresh process; its peak RSS growth over the RSS
-before the export is compared with the bound (``--export-bound-mib``).
+before the export is compared with the bound (``--export-bound-mib``). The export reads and
+writes files on the host, so it runs on the CPU with ``--device cuda`` too.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from record import record  # noqa: E402
 
 MODES = ("unsharded", "sharded", "gathered", "streamed")
+_DEVICE = [torch.device("cpu")]  # this rank's generation device, set from --device
 
 
 def _free_port() -> int:
@@ -53,10 +58,10 @@ def _models(args: argparse.Namespace) -> tuple:
     from parts.partition import attach, full_state_dict, partitioned
     config = transformers.GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4)
     torch.manual_seed(0)
-    with partitioned():
+    with partitioned(device=_DEVICE[0]):
         model = transformers.GPT2LMHeadModel(config)
     attach(model)
-    plain = transformers.GPT2LMHeadModel(config)
+    plain = transformers.GPT2LMHeadModel(config).to(_DEVICE[0])
     plain.load_state_dict(full_state_dict(model, rank0_only=False))
     return model.eval(), plain.eval()
 
@@ -72,19 +77,20 @@ def _timed(runs: dict, rounds: int) -> dict:
         for mode in names[r % len(names):] + names[:r % len(names)]:
             run = runs[mode]
             dist.barrier()
+            devices.sync(_DEVICE[0])
             start = time.perf_counter()
             tokens[mode] = run()
+            devices.sync(_DEVICE[0])
             times[mode].append(time.perf_counter() - start)
     return {mode: dict(seconds=min(times[mode]), tokens=tokens[mode]) for mode in runs}
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _DEVICE[0] = devices.init_spawned(args.device, rank, world, port)  # gloo, or NCCL on GPU ``rank``
     from parts.partition import generating
     model, plain = _models(args)
-    prompt = torch.randint(0, 50000, (1, 8), generator=torch.Generator().manual_seed(rank))
+    prompt, = devices.to(_DEVICE[0], torch.randint(0, 50000, (1, 8), generator=torch.Generator().manual_seed(rank)))
     kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
     below = sum(p.numel() * 4 for p in plain.parameters()) * 9 // 10  # the embedding is most of it
 
@@ -146,8 +152,8 @@ def _export(args: argparse.Namespace) -> dict:
         return json.loads(job.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    """Run both measurements, print them and record them."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
@@ -155,7 +161,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--export-mib", type=int, default=256)
     parser.add_argument("--export-bound-mib", type=int, default=32)
-    args = parser.parse_args()
+    devices.add_device_flag(parser)
+    args = parser.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    """Run both measurements, print them and record them."""
+    args = parse_args()
     out = mp.Manager().dict()
     mp.spawn(_worker, args=(2, _free_port(), args, out), nprocs=2)
     gen = dict(out)
@@ -167,7 +181,7 @@ def main() -> None:
     for key, value in summary.items():
         print(f"{key:40s} {value}")
     print("tokens (rank 0):", gen["tokens"])
-    record("bench_generate", dict(rows=rows, summary=summary))
+    record("bench_generate" + ("_cuda" if args.device == "cuda" else ""), dict(rows=rows, summary=summary))
 
 
 def _summary(args: argparse.Namespace, gen: dict, exp: dict) -> dict:

@@ -1,6 +1,7 @@
 """Benchmark the BF16Optimizer step alone, and its model-state bytes per rank.
 
     python benchmarks/bench_optim.py [--numel 4000000] [--steps 10]
+    python benchmarks/bench_optim.py --device cuda     # one GPU per rank, NCCL; records bench_optim_cuda
 
 Times ``step()`` (reduce-scatter, global norm, clip, inner AdamW step on the fp32
 partition, copy-back to bf16, bucketed all-gather) of BF16Optimizer at world 2
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,11 @@ from record import record
 
 from parts.optim import BF16Optimizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
+
 K_ADAMW = 8
+_DEVICE = [torch.device("cpu")]  # this process's device, set from --device
 
 
 def shapes(numel: int) -> list[tuple[int, ...]]:
@@ -39,7 +46,7 @@ def shapes(numel: int) -> list[tuple[int, ...]]:
 def make_params(numel: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
     """Seeded parameters of the benchmark shapes."""
     torch.manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes(numel)]
+    return [torch.nn.Parameter(torch.randn(s).to(dtype).to(_DEVICE[0])) for s in shapes(numel)]
 
 
 def timed(fn, steps: int) -> float:
@@ -50,8 +57,10 @@ def timed(fn, steps: int) -> float:
     for _ in range(steps):
         if dist.is_initialized():
             dist.barrier()
+        devices.sync(_DEVICE[0])
         t = time.perf_counter()
         fn()
+        devices.sync(_DEVICE[0])
         times.append(time.perf_counter() - t)
     return min(times)
 
@@ -59,8 +68,10 @@ def timed(fn, steps: int) -> float:
 def _clocked(fn, sink: list):
     """``fn`` that appends its wall time to ``sink``."""
     def wrapper(*args, **kwargs):
+        devices.sync(_DEVICE[0])
         t = time.perf_counter()
         out = fn(*args, **kwargs)
+        devices.sync(_DEVICE[0])
         sink.append(time.perf_counter() - t)
         return out
     return wrapper
@@ -72,7 +83,7 @@ def bench_wrapped(numel: int, steps: int) -> dict:
     opt = BF16Optimizer(torch.optim.AdamW(params, lr=1e-4), clip_grad=1.0,
                         allgather_bucket_size=50_000_000)
     gen = torch.Generator().manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
-    grads = [torch.randn(fg.grad.numel(), generator=gen) for fg in opt.flat_groups]
+    grads = [torch.randn(fg.grad.numel(), generator=gen).to(_DEVICE[0]) for fg in opt.flat_groups]
 
     parts = {"reduce-scatter": [], "inner step": [], "copy-back + all-gather": []}
     for key, owner, attr in (("reduce-scatter", opt, "_reduce_grads"),
@@ -114,15 +125,18 @@ def bench_plain(numel: int, steps: int, clip: bool) -> float:
 
 def _cheap_backward_then_step(params, backward, step, steps: int) -> tuple[float, float]:
     """Fastest (backward, step) seconds with an elementwise loss: sum(p * w) over params."""
-    ws = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(p.dtype)
+    ws = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(p.dtype).to(p.device)
           for i, p in enumerate(params)]
     tb, ts = [], []
     for i in range(steps + 2):
         dist.barrier()
+        devices.sync(_DEVICE[0])
         t0 = time.perf_counter()
         backward(sum((p * w).sum() for p, w in zip(params, ws)).float())
+        devices.sync(_DEVICE[0])
         t1 = time.perf_counter()
         step()
+        devices.sync(_DEVICE[0])
         t2 = time.perf_counter()
         if i >= 2:
             tb.append(t1 - t0)
@@ -154,11 +168,9 @@ def bench_backward_step(system: str, numel: int, steps: int) -> tuple[float, flo
 
 
 def _worker(rank: int, world: int, port: int, numel: int, steps: int, queue,
-            system: str = "step") -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+            system: str = "step", device: str = "cpu") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _DEVICE[0] = devices.init_spawned(device, rank, world, port)  # gloo, or NCCL on GPU ``rank``
     result = (bench_wrapped(numel, steps) if system == "step"
               else bench_backward_step(system, numel, steps))
     queue.put((rank, result))
@@ -166,12 +178,12 @@ def _worker(rank: int, world: int, port: int, numel: int, steps: int, queue,
     dist.destroy_process_group()
 
 
-def run_world(world: int, numel: int, steps: int, system: str = "step") -> list:
-    """Spawn ``world`` gloo ranks running ``bench_wrapped`` (or a system's backward+step)."""
+def run_world(world: int, numel: int, steps: int, system: str = "step", device: str = "cpu") -> list:
+    """Spawn ``world`` ranks (gloo; NCCL for ``device="cuda"``) running ``bench_wrapped`` or a backward+step."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29000 + (os.getpid() + len(system)) % 1000
-    procs = [ctx.Process(target=_worker, args=(r, world, port, numel, steps, queue, system))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, numel, steps, queue, system, device))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -181,17 +193,28 @@ def run_world(world: int, numel: int, steps: int, system: str = "step") -> list:
     return [results[r] for r in range(world)]
 
 
-def main() -> None:
-    """Run and print the comparison."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=4_000_000)
     ap.add_argument("--steps", type=int, default=10)
-    args = ap.parse_args()
+    devices.add_device_flag(ap)
+    args = ap.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    """Run and print the comparison."""
+    args = parse_args()
+    if args.device == "cuda":
+        os.environ.setdefault("DS_ACCELERATOR", "cuda")  # DeepSpeed's, for its system
     torch.set_num_threads(1)
+    _DEVICE[0] = devices.pick(args.device)
     plain = bench_plain(args.numel, args.steps, clip=False)
     plain_clip = bench_plain(args.numel, args.steps, clip=True)
-    w1 = run_world(1, args.numel, args.steps)[0]
-    w2 = run_world(2, args.numel, args.steps)
+    w1 = run_world(1, args.numel, args.steps, device=args.device)[0]
+    w2 = run_world(2, args.numel, args.steps, device=args.device)
     psi = w1["psi"]
     print(f"Psi = {psi:,} params; fastest of {args.steps} steps; 1 thread per process")
     print(f"torch AdamW fp32, 1 process:                {plain * 1e3:8.1f} ms  (1.00)")
@@ -222,7 +245,7 @@ def main() -> None:
         rows.append({"system": name + " (slowest rank)", "step_ms": round(secs * 1e3, 2),
                      "vs_torch": round(secs / plain, 3)})
     for system in systems:
-        res = run_world(2, args.numel, args.steps, system)
+        res = run_world(2, args.numel, args.steps, system, args.device)
         back, step = max(r[0] for r in res), max(r[1] for r in res)
         totals[system] = back + step
         print(f"  {system:10s} backward {back * 1e3:7.1f} ms + step {step * 1e3:7.1f} ms = "
@@ -234,7 +257,7 @@ def main() -> None:
             got / ((4 + K_ADAMW) * psi / n + 2 * psi), 4)
     summary.update({f"world 2, {s}: elementwise backward + step (ms)": round(t * 1e3, 2)
                     for s, t in totals.items()})
-    record("bench_optim", {"rows": rows, "summary": summary})
+    record("bench_optim" + ("_cuda" if args.device == "cuda" else ""), {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

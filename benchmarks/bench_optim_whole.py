@@ -2,6 +2,7 @@
 
     python benchmarks/bench_optim_whole.py --world-size 2
     python benchmarks/bench_optim_whole.py --world-size 4 --steps 5
+    python benchmarks/bench_optim_whole.py --device cuda   # one GPU per rank, NCCL; records ..._cuda
 
 The 25.4M GPT of recipes/gpt_model.py (8 layers, 512 wide, sequence 128), fp32, the same seed and
 batches for every system, each in fresh processes, one after the other:
@@ -16,7 +17,6 @@ FSDP2's collectives are not in it. Step time is the median after two warm-up ste
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import sys
@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
 
@@ -46,8 +47,8 @@ def _optimizers(named: list, muon: bool) -> list:
             torch.optim.AdamW([p for n, p, s in named if not _is_muon(n, s)], lr=3e-4)]
 
 
-def build(system: str, config: GPTConfig):
-    model = GPT(config)
+def build(system: str, config: GPTConfig, device: torch.device):
+    model = GPT(config).to(device)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if system.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
@@ -69,21 +70,23 @@ def _ledger_bytes() -> int:
 
 
 def _worker(rank: int, world: int, port: int, system: str, config: GPTConfig, args, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = devices.init_spawned(args.device, rank, world, port)  # gloo, or NCCL on GPU ``rank``
     torch.manual_seed(0)
-    model, opts = build(system, config)
+    model, opts = build(system, config, device)
     gen = torch.Generator().manual_seed(1000 + rank)
     times, moved, loss = [], [], None
     for _ in range(args.steps):
         x, y = (torch.randint(config.vocab_size, (args.batch, config.block_size), generator=gen) for _ in range(2))
+        x, y = devices.to(device, x, y)
+        devices.sync(device)
         before, started = _ledger_bytes(), time.perf_counter()
         loss = model(x, y)
         loss.backward()
         for o in opts:
             o.step()
             o.zero_grad()
+        devices.sync(device)
         times.append(time.perf_counter() - started)
         moved.append(_ledger_bytes() - before)
     total = loss.detach().clone()
@@ -100,7 +103,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
@@ -108,7 +112,14 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--n-embd", type=int, default=512, help="512: the 25.4M GPT; smaller for a smoke run")
     parser.add_argument("--n-layer", type=int, default=8)
-    args = parser.parse_args()
+    devices.add_device_flag(parser)
+    args = parser.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     config = GPTConfig(vocab_size=128, block_size=128, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
     params = sum(p.numel() for p in GPT(config).parameters())
     results, rows = mp.Manager().dict(), []
@@ -129,7 +140,8 @@ def main() -> None:
     print(summary)
     if (args.n_embd, args.n_layer) != (512, 8):
         return  # a smoke run: not recorded
-    record(f"bench_optim_whole_world{args.world_size}", {"rows": rows, "summary": summary})
+    suffix = "_cuda" if args.device == "cuda" else ""
+    record(f"bench_optim_whole_world{args.world_size}{suffix}", {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

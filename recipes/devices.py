@@ -25,21 +25,39 @@ def add_device_flag(parser: argparse.ArgumentParser) -> None:
 
 def pick(choice: str) -> torch.device:
     """The device this rank computes on for ``--device choice`` (a CUDA one is made current)."""
-    if choice not in CHOICES:
-        raise SystemExit(f"--device {choice!r}: choose one of {', '.join(CHOICES)}")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cpu":
+    if resolve(choice) == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is "
-                         "False); use --device cpu")
     index = int(os.environ.get("LOCAL_RANK", "0"))
     if index >= torch.cuda.device_count():
         raise SystemExit(f"--device cuda: LOCAL_RANK={index} but this node has "
                          f"{torch.cuda.device_count()} CUDA device(s); run at most that many ranks per node")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def resolve(choice: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``--device choice``, checked before any worker starts (nothing is made current)."""
+    if choice not in CHOICES:
+        raise SystemExit(f"--device {choice!r}: choose one of {', '.join(CHOICES)}")
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is "
+                         "False); use --device cpu")
+    return choice
+
+
+def init_spawned(choice: str, rank: int, world: int, port: int) -> torch.device:
+    """``init`` for a worker this process spawned on one node: rank ``rank`` of ``world``, local rank = rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    return init(choice)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so a timer reads finished steps."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def init(choice: str) -> torch.device:
