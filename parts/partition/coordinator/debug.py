@@ -6,10 +6,11 @@ in a collective whose sizes do not match). With ``debug=True`` the coordinator f
 agrees with the other ranks on a ``DebugPoint`` before every collective it may issue in a
 step: the step start (persistent-params refresh), every fetch, every prefetch all-gather,
 every external-parameter fetch, every grad reduce-scatter, the check of ``requires_grad`` at
-a backward's start and the step end (with the trace digest). The point is exchanged as a fixed-length int64 record (the same size on every
-rank, whatever the rank is doing), so ranks at different points always meet in that
-exchange and raise ``RankDivergence`` on every rank, naming what each rank was doing. Costs
-one small all-gather per point: a debugging aid, not for production runs.
+a backward's start and the step end (with the trace digest). The point is exchanged as a
+fixed-length int64 record (the same size on every rank, whatever the rank is doing), so ranks
+at different points always meet in that exchange and raise ``RankDivergence`` on every rank,
+naming what each rank was doing. Costs one small all-gather per point: a debugging aid, not
+for production runs.
 """
 
 from __future__ import annotations
