@@ -72,7 +72,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     """The optimizer's state keyed by FQN at full parameter shapes (on rank 0 only if ``rank0_only``)."""
     sharded = sharded_optimizer_state_dict(model, optimizer)
     records, stepper = _records(model), stepper_of(optimizer)
-    state = {}
+    keep, state = not rank0_only or _info(records).rank == 0, {}
     for fqn in [fqn for g in sharded["param_groups"] for fqn in g["params"]]:
         m, entry = records.get(fqn), sharded["state"].get(fqn)
         if m is not None and stepper is not None and id(m) in stepper.by_record:
@@ -81,9 +81,9 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             entry = _full_entry(m, fqn, entry)
         elif entry:
             entry = {k: _copy(v) for k, v in entry.items()}
-        if entry:
+        if entry and keep:
             state[fqn] = entry
-    if rank0_only and _info(records).rank != 0:
+    if not keep:
         return {}
     return {"state": state, "param_groups": [dict(g) for g in sharded["param_groups"]]}
 
