@@ -32,14 +32,16 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor,
                     group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
-    """All-gather equal 1-D chunks ``input`` of every rank into ``output`` (rank order)."""
-    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+    """All-gather equal 1-D chunks ``input`` of every rank into ``output`` (rank order). The
+    collective sees detached tensors: a backend that writes on its own thread (where grad mode is
+    on) must not meet a shard that requires grad."""
+    return _ALL_GATHER(output.detach(), input.detach(), group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
                         group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Any:
     """Reduce ``input`` (world_size equal chunks) across ranks; this rank's chunk lands in ``output``."""
-    return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+    return _REDUCE_SCATTER(output.detach(), input.detach(), op=op, group=group, async_op=async_op)
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -55,7 +55,7 @@ from parts.partition import (MixedPrecision, attach, full_state_dict, is_partiti
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Every knob is a flag; the defaults (1100 steps of 8 x 128 tokens per rank) train in
     about two and a quarter minutes on 2 CPU cores to a validation loss near 1.55 nats/char."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,8 +97,10 @@ def parse_args() -> argparse.Namespace:
     add("--mmap-threshold", type=int, default=0,
         help="bytes: larger host allocations are mmapped, so freed shards leave RSS at once, at the "
              "cost of page faults (0: glibc's default, faster)")
+    add("--memory-every", type=int, default=0,
+        help="every N steps, note each rank's RSS and peak RSS (VmHWM) in MiB (0: off)")
     devices.add_device_flag(ap)
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def choose_dtype(requested: str, device: torch.device) -> tuple[str, str]:
@@ -163,6 +165,18 @@ def nats_and_chars(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.stack([loss.detach().double() * targets.numel(), chars])
 
 
+def train_step(model, optimizer, schedule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One optimizer step; returns ``[summed loss, characters]`` over every rank's batch."""
+    loss = model(inputs, targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    schedule.step()
+    summed = nats_and_chars(loss, targets)
+    dist.all_reduce(summed)
+    return summed
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace,
              device: torch.device | None = None) -> float:
@@ -202,9 +216,11 @@ def resume(path: str, model, optimizer, schedule) -> int:
     return state["step"]
 
 
-def rss_per_rank(device: torch.device) -> list[float]:
-    """Every rank's current RSS in MiB (a small all-gather on the process group's ``device``)."""
-    mine = torch.tensor([snapshot().rss_bytes / 2**20], dtype=torch.float64, device=device)
+def rss_per_rank(device: torch.device, peak: bool = False) -> list[float]:
+    """Every rank's current RSS (or peak RSS) in MiB (a small all-gather on the group's ``device``)."""
+    now = snapshot()
+    mine = torch.tensor([(now.peak_rss_bytes if peak else now.rss_bytes) / 2**20], dtype=torch.float64,
+                        device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [t.item() for t in every]
@@ -237,20 +253,18 @@ def main() -> None:
     tokens_per_step = args.batch_size * args.seq_len * world
     for step in range(start + 1, start + args.steps + 1):
         inputs, targets = devices.to(device, *batch(train_tokens, args.batch_size, args.seq_len, generator))
-        loss = model(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        schedule.step()
+        summed = train_step(model, optimizer, schedule, inputs, targets)
         train_stats = coordinator.stats() if coordinator else None
-        summed = nats_and_chars(loss, targets)
-        dist.all_reduce(summed)
         train_curve.append((step, (summed[0] / summed[1]).item()))  # nats per character
         done = step - start
         rss = rss_per_rank(device) if done % 10 == 0 or done == args.steps else None
         progress.update(done, loss=f"{train_curve[-1][1]:.4f}",
                         **{"tok/s": f"{tokens_per_step * done / progress.elapsed():,.0f}"},
                         **({"RSS MiB": "/".join(f"{r:.0f}" for r in rss)} if rss else {}))
+        if args.memory_every and done % args.memory_every == 0:
+            peaks = rss_per_rank(device, peak=True)
+            progress.note(f"step {step}: RSS MiB per rank {' '.join(f'{r:.1f}' for r in rss_per_rank(device))}"
+                          f", peak {' '.join(f'{r:.1f}' for r in peaks)}")
         if done % args.eval_interval == 0 or done == args.steps:
             val_curve.append((step, evaluate(model, val_tokens, args, device)))
             progress.note(f"step {step}: validation loss {val_curve[-1][1]:.4f}")

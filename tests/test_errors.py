@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from harness import run
 from torch import nn
 
+from parts.comm import RankDisagreement
 from parts.checkpoint import CheckpointPolicy, ContiguousBuffers, checkpoint
 from parts.partition import (ShardLayout, gather, gathered, load_full_state_dict, full_state_dict,
                              partition_module, partitioned, reduce_scatter_grads, release, shards)
@@ -43,6 +44,7 @@ class Row:
     exc: type
     fragment: str
     ranks: tuple = (0, 1)  # rank rows: the ranks that must raise (the others must return)
+    others: type = type(None)  # rank rows: what the other ranks raise naming the same ranks (None: they return)
 
 
 def _params(rows: list) -> list:
@@ -343,12 +345,19 @@ def _on_rank1_outside(call):
         call(group, own)
 
 
+def _nonmember_build(build):
+    """Rank 1 builds over a group of rank 0 only, rank 0 over that group: every rank of the world
+    takes part in each build's layout agreement, so rank 1's refusal reaches rank 0 too."""
+    group = dist.new_group(ranks=[0])
+    build(group)
+
+
 def _nonmember_partition_module():
-    _on_rank1_outside(lambda group, own: partition_module(nn.Linear(2, 2), group=group))
+    _nonmember_build(lambda group: partition_module(nn.Linear(2, 2), group=group))
 
 
 def _nonmember_partitioned():
-    _on_rank1_outside(lambda group, own: _build_under(group=group))
+    _nonmember_build(lambda group: _build_under(group=group))
 
 
 def _nonmember_checkpoint():
@@ -365,7 +374,11 @@ def _nonmember_coordinator():
         model = partition_module(_net(), group=own)
         attach(model, FetchCoordinator(group=group))
         model(torch.randn(2, 3)).sum().backward()
-    _on_rank1_outside(call)
+    group, own = dist.new_group(ranks=[0]), dist.new_group(ranks=[1])
+    if dist.get_rank() == 0:
+        partition_module(_net(), group=group)  # every rank takes part in each build's layout agreement
+    else:
+        call(group, own)
 
 
 def _nonmember_optimizer():
@@ -394,8 +407,10 @@ def _modifier_rank_outside():
 
 RANK_ROWS = [
     # (the group has rank 0 only; rank 1 is the one not in it)
-    Row("group-without-rank-partition-module", _nonmember_partition_module, ValueError, "rank 1", ranks=(1,)),
-    Row("group-without-rank-partitioned", _nonmember_partitioned, ValueError, "rank 1", ranks=(1,)),
+    Row("group-without-rank-partition-module", _nonmember_partition_module, ValueError, "rank 1", ranks=(1,),
+        others=RankDisagreement),
+    Row("group-without-rank-partitioned", _nonmember_partitioned, ValueError, "rank 1", ranks=(1,),
+        others=RankDisagreement),
     Row("group-without-rank-checkpoint", _nonmember_checkpoint, ValueError, "rank 1", ranks=(1,)),
     Row("group-without-rank-coordinator", _nonmember_coordinator, ValueError, "rank 1", ranks=(1,)),
     Row("group-without-rank-optimizer", _nonmember_optimizer, ValueError, "rank 1", ranks=(1,)),
@@ -421,8 +436,12 @@ def body_rank_row(row_id: str):
 def test_bad_input_ranks(row: Row) -> None:
     results = run(2, body_rank_row, row.id, timeout=30)
     for rank, result in enumerate(results):
-        if rank not in row.ranks:
+        if rank not in row.ranks and row.others is type(None):
             assert result is None, f"rank {rank} raised for {row.id}: {result}"
+            continue
+        if rank not in row.ranks:
+            assert result is not None and result[0] == row.others.__name__, f"rank {rank}: {result}"
+            assert row.fragment in result[2], f"rank {rank}: {result}"
             continue
         assert result is not None, f"rank {rank} did not raise for {row.id}"
         name, is_expected, message = result

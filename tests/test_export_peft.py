@@ -19,6 +19,7 @@ from harness import run
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 pytest.importorskip("accelerate")
+from test_export_output import Rows  # noqa: E402
 SLOW = 120.0
 
 
@@ -39,15 +40,6 @@ def _lora(model):
                              lora_dropout=0.0)
     with _quiet():
         return peft.get_peft_model(model, config)
-
-
-class Rows(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, i: int) -> dict:
-        ids = (torch.arange(8) * (i + 1)) % 37
-        return {"input_ids": ids, "labels": ids}
 
 
 def train_lora(out: str) -> dict:

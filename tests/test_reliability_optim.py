@@ -176,9 +176,11 @@ def subgroup_model_world_optimizer() -> str:
 
     from parts.partition import gathered, partition_module, reduce_scatter_grads
     sub = dist.new_group([0, 1], timeout=timedelta(seconds=10))
-    if dist.get_rank() == 2:
-        return "not in the sub-group"
+    alone = dist.new_group([2], timeout=timedelta(seconds=10))
     model = mlp()
+    if dist.get_rank() == 2:
+        partition_module(model, group=alone)  # every rank takes part in each build's layout agreement
+        return "not in the sub-group"
     partition_module(model, group=sub)
     try:
         opt = BF16Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -356,7 +356,9 @@ class FetchCoordinator:
         """Read ``requires_grad`` again (at attach and each backward's start): a grad hook on every
         parameter that requires grad now (frozen ones have none to fire), the flat reduce-scatter's
         members (reduce.py). The flags are checked alike on every rank (trainable.py), so all reduce
-        the same grads."""
+        the same grads (under ``debug``, once the ranks met at the backward's start)."""
+        if self._bwd_phase:
+            self.check.point(None, "flags")
         self.trainable.agree()
         trainable = [p for p in self._unhooked if p.requires_grad]
         if trainable:

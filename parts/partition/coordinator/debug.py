@@ -5,11 +5,12 @@ the others skip, or evaluates while the others train, hangs them all (or, with g
 in a collective whose sizes do not match). With ``debug=True`` the coordinator first
 agrees with the other ranks on a ``DebugPoint`` before every collective it may issue in a
 step: the step start (persistent-params refresh), every fetch, every prefetch all-gather,
-every external-parameter fetch, every grad reduce-scatter and the step end (with the trace
-digest). The point is exchanged as a fixed-length int64 record (the same size on every
-rank, whatever the rank is doing), so ranks at different points always meet in that
-exchange and raise ``RankDivergence`` on every rank, naming what each rank was doing. Costs
-one small all-gather per point: a debugging aid, not for production runs.
+every external-parameter fetch, every grad reduce-scatter, the check of ``requires_grad`` at
+a backward's start and the step end (with the trace digest). The point is exchanged as a
+fixed-length int64 record (the same size on every rank, whatever the rank is doing), so ranks
+at different points always meet in that exchange and raise ``RankDivergence`` on every rank,
+naming what each rank was doing. Costs one small all-gather per point: a debugging aid, not
+for production runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from parts.comm import GroupArg, WeakGroup, all_gather, comm_tensor, group_info, to_host
 from parts.partition.coordinator.step import StepState
 
-KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end", "outside")
+KINDS = ("start", "F", "B", "prefetch", "external", "reduce", "end", "outside", "flags")
 _PHASE_WORDS = 3  # the phase name travels as 24 UTF-8 bytes (longer names are cut)
 RECORD_LEN = _PHASE_WORDS + 6
 _MASK = (1 << 62) - 1
@@ -78,6 +79,8 @@ def describe(point: DebugPoint, names: Sequence[str]) -> str:
     if point.kind == "outside":
         return (f"`{point.phase}` outside any step, after {point.step} steps begun "
                 f"({point.count} of them train steps)")
+    if point.kind == "flags":
+        return "the check of requires_grad at the start of a backward"
     what = {
         "start": f"the start of its step, re-gathering {point.count} persistent parameters",
         "F": f"the forward of module {_module(point, names)}",

@@ -1,0 +1,93 @@
+"""The whole optimizer state of a sharded model in one dict, as one process would hold it.
+
+``full_optimizer_state_dict(model, optimizer)`` is the layout of torch's
+``get_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))``:
+``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, every state
+tensor sized like a parameter at that parameter's full shape. It is built from
+``sharded_optimizer_state_dict``: a shard-sized state tensor is all-gathered over the parameter's
+shard group, whole-tensor state (``parts.partition.route``: kept on one owner rank) is sent from
+its owner, scalars and the state of unsharded parameters are taken as they are. Every rank takes
+part; with ``rank0_only`` only rank 0 keeps the result (``{}`` elsewhere). For inspection, export
+and tests: a resumable checkpoint at any world size is ``sharded_optimizer_state_dict`` with DCP,
+which never holds a whole state tensor on one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from parts.comm import GroupInfo, all_gather, broadcast_object, resolve_group, to_comm, to_host
+from parts.comm.shard_view import ShardView
+from parts.offload.lease import Stored
+from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
+from parts.partition.interop.sharded_optim import sharded_optimizer_state_dict
+from parts.partition.whole import stepper_of
+
+
+def _records(model: nn.Module) -> dict[str, ParamMeta]:
+    """FQN -> record of every sharded parameter of ``model``."""
+    return {name: meta(p) for name, p in model.named_parameters(remove_duplicate=False) if is_partitioned(p)}
+
+
+def _full_tensor(m: ParamMeta, holder: Any) -> torch.Tensor:
+    """The full tensor at ``m``'s shape from every rank's shard-sized ``holder`` (one all-gather)."""
+    local = holder.materialize() if isinstance(holder, Stored) else holder
+    flat = to_comm(local.detach().reshape(-1), m.info)
+    gathered = torch.empty(m.info.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    all_gather(gathered, flat, m.info)
+    full = torch.empty(m.numel, dtype=flat.dtype, device=local.device)
+    for rank, piece in enumerate(gathered.split(flat.numel())):
+        start, stop = m.layout.range(rank)
+        full[start:stop].copy_(piece[:stop - start])
+    return full.view(m.shape)
+
+
+def _owned_entry(m: ParamMeta, owner: int, entry: Any) -> Any:
+    """The whole-tensor state of ``m`` from its owner (group rank ``owner``) on every rank (None: none yet)."""
+    mine = {k: to_host(v.detach()) if torch.is_tensor(v) else v for k, v in entry.items()} if entry else None
+    sent = mine if m.info.world_size == 1 else broadcast_object(mine, owner, m.info.group)
+    return None if sent is None else {k: v.to(m.shard.device) if torch.is_tensor(v) else v for k, v in sent.items()}
+
+
+def _full_entry(m: ParamMeta, fqn: str, entry: dict) -> dict:
+    """One parameter's shard-path state, each ShardView gathered to the full shape."""
+    out = {}
+    for k, v in entry.items():
+        if isinstance(v, ShardView) and v.holder is None:
+            raise ValueError(f"full_optimizer_state_dict: '{fqn}.{k}' is a ShardView without its shard-sized tensor")
+        out[k] = _full_tensor(m, v.holder) if isinstance(v, ShardView) else _copy(v)
+    return out
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+@internal
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              rank0_only: bool = True) -> dict[str, Any]:
+    """The optimizer's state keyed by FQN at full parameter shapes (on rank 0 only if ``rank0_only``)."""
+    sharded = sharded_optimizer_state_dict(model, optimizer)
+    records, stepper = _records(model), stepper_of(optimizer)
+    keep, state = not rank0_only or _info(records).rank == 0, {}
+    for fqn in [fqn for g in sharded["param_groups"] for fqn in g["params"]]:
+        m, entry = records.get(fqn), sharded["state"].get(fqn)
+        if m is not None and stepper is not None and id(m) in stepper.by_record:
+            entry = _owned_entry(m, stepper.owner_of(m), entry)
+        elif m is not None and entry:
+            entry = _full_entry(m, fqn, entry)
+        elif entry:
+            entry = {k: _copy(v) for k, v in entry.items()}
+        if entry and keep:
+            state[fqn] = entry
+    if not keep:
+        return {}
+    return {"state": state, "param_groups": [dict(g) for g in sharded["param_groups"]]}
+
+
+def _info(records: dict[str, ParamMeta]) -> GroupInfo:
+    """The shard group whose rank 0 keeps a ``rank0_only`` result (the world's if nothing is sharded)."""
+    return next(iter(records.values())).info if records else resolve_group(None, "full_optimizer_state_dict")
