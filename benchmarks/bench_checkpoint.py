@@ -9,6 +9,7 @@ time). Also checks that the three modes give bitwise-equal input grads. Ratios a
 relative to no checkpointing, all from this one run.
 
     python benchmarks/bench_checkpoint.py [--layers 8 --dim 256 --seq 128 --batch 4 --threads 1]
+    python benchmarks/bench_checkpoint.py --device cuda   # on one GPU; records bench_checkpoint_cuda
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import contextlib
 import gc
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -28,6 +31,9 @@ from record import record
 
 from parts.checkpoint import checkpoint
 from parts.observe import StorageTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 
 
 class Block(nn.Module):
@@ -77,8 +83,8 @@ def step(blocks, x, mask, mode: str, tracker: StorageTracker | None = None):
     return x.grad, held
 
 
-def main() -> None:
-    """Run the three modes and print times, held bytes and ratios."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dim", type=int, default=256)
@@ -88,12 +94,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (1: OpenMP spin-waits distort timings on a busy box)")
-    args = ap.parse_args()
+    devices.add_device_flag(ap)
+    args = ap.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    """Run the three modes and print times, held bytes and ratios."""
+    args = parse_args()
+    device = devices.pick(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block(args.dim, args.heads) for _ in range(args.layers))
-    x = torch.randn(args.batch, args.seq, args.dim)
-    mask = torch.ones(args.seq, args.seq, dtype=torch.bool).triu(1)
+    blocks = nn.ModuleList(Block(args.dim, args.heads) for _ in range(args.layers)).to(device)
+    x, mask = devices.to(device, torch.randn(args.batch, args.seq, args.dim),
+                         torch.ones(args.seq, args.seq, dtype=torch.bool).triu(1))
     modes = ["none", "torch", "parts"]
     grads, held, times = {}, {}, {m: [] for m in modes}
     for mode in modes:
@@ -101,12 +116,14 @@ def main() -> None:
         step(blocks, x, mask, mode)  # warm-up
     for _ in range(args.steps):  # modes interleaved so that machine noise hits them alike
         for mode in modes:
+            devices.sync(device)
             start = time.perf_counter()
             step(blocks, x, mask, mode)
+            devices.sync(device)
             times[mode].append(time.perf_counter() - start)
     results = {m: (statistics.median(times[m]), held[m]) for m in modes}
     print(f"model: {args.layers} blocks, dim {args.dim}, seq {args.seq}, batch {args.batch}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps, on {device}")
     base_t, base_b = results["none"]
     print(f"{'mode':<8}{'step (s)':>10}{'vs none':>9}{'held MiB':>10}{'vs none':>9}")
     for mode in modes:
@@ -121,7 +138,7 @@ def main() -> None:
     rows = [{"mode": m, "step_s": round(results[m][0], 4), "vs_none": round(results[m][0] / base_t, 3),
              "held_MiB": round(results[m][1] / 2**20, 2), "held_vs_none": round(results[m][1] / base_b, 4)}
             for m in modes]
-    record("bench_checkpoint", {"rows": rows, "summary": {
+    record("bench_checkpoint" + ("_cuda" if args.device == "cuda" else ""), {"rows": rows, "summary": {
         "parts vs torch.utils.checkpoint (time)": round(t_parts / t_torch, 3),
         "input grads bitwise equal across modes": same}})
 

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_checkpoint_dcp.py                              # 25.4M-param GPT, world 2
     python benchmarks/bench_checkpoint_dcp.py --model 1b --rounds 1        # 1.0B params, shards on disk
+    python benchmarks/bench_checkpoint_dcp.py --device cuda   # shards on one GPU per rank, NCCL; records ..._cuda
 
 The GPT of recipes/gpt_model.py is built under ``partitioned()`` (fp32 shards, no rank ever
 holds the whole model) in fresh ``--world-size`` gloo processes; with ``--disk`` (implied by
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
 
@@ -111,7 +113,8 @@ def _fingerprints(model) -> list[tuple[int, int]]:
     for p in model.parameters():
         with disk.peek(meta(p).shard):
             bits = meta(p).shard.view(torch.int32).to(torch.int64)
-            out.append((int(bits.sum()), int((bits * torch.arange(bits.numel()) % 1_000_003).sum())))
+            place = torch.arange(bits.numel(), device=bits.device)
+            out.append((int(bits.sum()), int((bits * place % 1_000_003).sum())))
     return out
 
 
@@ -125,25 +128,24 @@ def _perturb(model) -> None:
                 meta(p).shard.add_(1.0)
 
 
-def _build(config: GPTConfig, disk_dir: str, rank: int):
-    """The GPT under partitioned(), its shards in a DiskStore under ``disk_dir`` if given."""
+def _build(config: GPTConfig, disk_dir: str, rank: int, device: torch.device):
+    """The GPT under partitioned() on ``device``, its shards in a DiskStore under ``disk_dir`` if given."""
     from parts.offload import DiskStore
     from parts.partition import partitioned
     store = DiskStore(os.path.join(disk_dir, f"rank{rank}")) if disk_dir else None
     torch.manual_seed(0)
-    with partitioned(remote_device=store):
+    with partitioned(device=device, remote_device=store):
         return GPT(config), store
 
 
 def _worker(rank: int, world: int, port: int, config: GPTConfig, scratch: str, results: dict,
-            disk_dir: str, methods: list, rounds: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            disk_dir: str, methods: list, rounds: int, device: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    where = devices.init_spawned(device, rank, world, port)  # gloo, or NCCL on GPU ``rank``
     from parts.observe import set_mmap_threshold
     set_mmap_threshold(1 << 20)  # freed buffers leave RSS at once: growth is what is held
     started = time.perf_counter()
-    model, store = _build(config, disk_dir, rank)
+    model, store = _build(config, disk_dir, rank, where)
     if rank == 0:
         print(f"built in {time.perf_counter() - started:.0f} s, RSS {_rss() / 2**20:.0f} MiB", flush=True)
     expected = _fingerprints(model)
@@ -175,7 +177,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", choices=("25m", "1b"), default="25m",
@@ -186,7 +189,15 @@ def main() -> None:
     parser.add_argument("--methods", default="dcp,full", help="comma-separated: dcp, full")
     parser.add_argument("--rounds", type=int, default=2, help="save+load rounds per method; the last is reported")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    args = parser.parse_args()
+    devices.add_device_flag(parser)
+    args = parser.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    """Save and load with each method in fresh ranks, print and record the table."""
+    args = parse_args()
     big = args.model == "1b"
     args.n_layer = args.n_layer or (20 if big else 8)
     args.n_embd = args.n_embd or (2048 if big else 512)
@@ -194,13 +205,14 @@ def main() -> None:
     config = GPTConfig(vocab_size=128, block_size=128, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
     params = 12 * args.n_layer * args.n_embd ** 2 + 13 * args.n_layer * args.n_embd + 256 * args.n_embd
     print(f"GPT ~{params / 1e6:.1f}M params ({params * 4 / 2**20:,.0f} MiB fp32), world {args.world_size}, "
-          f"shards {'on disk' if args.disk else 'in memory'}")
+          f"shards {'on disk' if args.disk else 'in memory'}, compute on {args.device}")
     scratch = args.dir or tempfile.mkdtemp(prefix="bench-dcp-")
     os.makedirs(scratch, exist_ok=True)
     disk_dir = os.path.join(scratch, "store") if args.disk else ""
     methods = args.methods.split(",")
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(args.world_size, _free_port(), config, scratch, results, disk_dir, methods, args.rounds),
+    mp.spawn(_worker, args=(args.world_size, _free_port(), config, scratch, results, disk_dir, methods, args.rounds,
+                            args.device),
              nprocs=args.world_size)
     heads = "  ".join(f"rank {r}: wall s / CPU s / RSS +MiB" for r in range(args.world_size))
     print(f"\n{'method':<6} {'op':<5} " + heads)
@@ -209,7 +221,7 @@ def main() -> None:
             cells = [results[r][method][index] for r in range(args.world_size)]
             print(f"{method:<6} {op:<5} " + "  ".join(
                 f"{c['wall']:>13.2f} / {c['cpu']:>5.2f} / {c['rss'] / 2**20:>8.1f}" for c in cells))
-    record("bench_checkpoint_dcp", {"rows": [
+    record("bench_checkpoint_dcp" + ("_cuda" if args.device == "cuda" else ""), {"rows": [
         {"method": method, "op": op, "rank": r, "wall_s": round(results[r][method][i]["wall"], 3),
          "cpu_s": round(results[r][method][i]["cpu"], 3),
          "rss_growth_MiB": round(results[r][method][i]["rss"] / 2**20, 1)}

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload.py
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload.py --params 25M --raw-gib 1
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload.py --device cuda  # GPU compute, NCCL
 
 1. Raw sequential write and read bandwidth of the store's file system, measured with the
    store's own IO path (``DiskStore.write``/``read`` of one ``--raw-gib`` tensor): rank 0
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from chardata import VOCAB_SIZE, batch, load_splits  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
@@ -56,9 +58,11 @@ from parts.offload.parking import empty_for_io  # noqa: E402
 from parts.partition import attach, detach, partitioned, shards  # noqa: E402
 
 GiB = 2**30
+_DEVICE = [torch.device("cpu")]  # this rank's compute device, set from --device
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", choices=sorted(PRESETS), default="125M")
     ap.add_argument("--store", default="/tmp/parts-bench-offload")
@@ -72,7 +76,10 @@ def parse_args() -> argparse.Namespace:
                     help="step the offloaded optimizer after backward, not during it (step_in_backward)")
     ap.add_argument("--within-step", action="store_true",
                     help="offloaded optimizer's pipeline within each step only (across_steps=False)")
-    return ap.parse_args()
+    devices.add_device_flag(ap)
+    args = ap.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
 
 
 def raw_bandwidth(store: DiskStore, nbytes: int, active: bool) -> tuple[float, float]:
@@ -99,7 +106,7 @@ def build(args, store):
     layers, width, heads = PRESETS[args.params]
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq_len, n_layer=layers, n_head=heads, n_embd=width)
     torch.manual_seed(0)
-    with partitioned(remote_device=store):
+    with partitioned(device=_DEVICE[0], remote_device=store):
         model = GPT(config)
     layer = 12 * width ** 2
     attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
@@ -118,7 +125,7 @@ def step(model, opt, tokens, gen, args, store, flush: bool = True) -> dict:
     counts their bytes."""
     before = store.stats.snapshot() if store is not None else None
     wall, cpu = time.perf_counter(), time.process_time()
-    loss = model(*batch(tokens, args.batch_size, args.seq_len, gen))
+    loss = model(*devices.to(_DEVICE[0], *batch(tokens, args.batch_size, args.seq_len, gen)))
     with opt.step_in_backward() if store is not None and not args.after_backward else contextlib.nullcontext():
         loss.backward()
     mid, opt_wall = store.stats.snapshot() if store is not None else None, time.perf_counter()
@@ -126,6 +133,7 @@ def step(model, opt, tokens, gen, args, store, flush: bool = True) -> dict:
     opt.zero_grad()
     if store is not None and flush:
         store.flush()
+    devices.sync(_DEVICE[0])
     opt_wall = time.perf_counter() - opt_wall
     dist.barrier()
     out = dict(wall=time.perf_counter() - wall, cpu=time.process_time() - cpu, opt_wall=opt_wall)
@@ -175,9 +183,10 @@ def raw_pair(store, nbytes: int, rank: int) -> tuple[tuple[float, float], list]:
     return raw_bandwidth(store, nbytes, rank == 0), all_gather_objects(raw_bandwidth(store, nbytes, True))
 
 
-def setup() -> tuple[int, int]:
-    """Join the gloo group; a share of the cores per rank; large buffers mapped (freed at once)."""
-    dist.init_process_group("gloo")
+def setup(device: str) -> tuple[int, int]:
+    """Join the group (gloo, or NCCL on LOCAL_RANK's GPU); a share of the cores per rank; large
+    buffers mapped (freed at once)."""
+    _DEVICE[0] = devices.init(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     set_mmap_threshold(128 * 1024)
@@ -186,7 +195,7 @@ def setup() -> tuple[int, int]:
 
 def main() -> None:
     args = parse_args()
-    rank, world = setup()
+    rank, world = setup(args.device)
     store = DiskStore(os.path.join(args.store, f"rank{rank}"), reuse_bytes=args.reuse_bytes)
     nbytes = int(args.raw_gib * GiB)
     load0, cpu0, wall0 = os.getloadavg(), time.process_time(), time.perf_counter()
@@ -249,10 +258,11 @@ def report(args, store, raws, rows, world, loads, wall) -> None:
     cpu = ", ".join(f"{c:.0f} s" for _, _, c in rows)
     print(f"CPU time per rank (whole run, user + sys, IO threads included): {cpu}; wall {wall:.0f} s; "
           f"system load (1, 5, 15 min) at start {_load(loads[0])}, at end {_load(loads[1])}")
-    record("bench_offload", {"rows": table, "summary": {
+    record("bench_offload" + ("_cuda" if args.device == "cuda" else ""), {"rows": table, "summary": {
         "model": f"{args.params} ({psi / 1e6:.0f} M params), world {world}",
         "store": store.mode, "raw per rank write / read (GB/s)": f"{raw_w:.2f} / {raw_r:.2f}",
-        "optimizer": "stepping after backward" if args.after_backward else "stepping during backward"}})
+        "optimizer": "stepping after backward" if args.after_backward else "stepping during backward",
+        "compute": args.device}})
 
 
 def _best_disk(raws, kind: int) -> float:

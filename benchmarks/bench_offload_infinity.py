@@ -3,15 +3,16 @@ parameters and AdamW state on disk in both.
 
     python benchmarks/bench_offload_infinity.py                   # 25M GPT, world 2
     python benchmarks/bench_offload_infinity.py --params 151M --steps 3
+    python benchmarks/bench_offload_infinity.py --device cuda    # GPU compute, NCCL, DS_ACCELERATOR=cuda
 
 Each system runs in its own ``--world-size`` processes (gloo), one system after the other, in
 each of ``--rounds`` rounds (a system's step is its median over the rounds, each round's given):
 
 * parts: ``partitioned(remote_device=DiskStore(...))``, ``attach``, ``OffloadedOptimizer(AdamW)``
   stepping during backward; the store's windows sized by its default ``memory_budget``.
-* ZeRO-Infinity (DeepSpeed, ``DS_ACCELERATOR=cpu``): ZeRO-3 with ``offload_param`` and
-  ``offload_optimizer`` on ``nvme`` (a temporary directory on the same disk), its async IO
-  (libaio) and CPU AdamW, every other knob at its default.
+* ZeRO-Infinity (DeepSpeed, ``DS_ACCELERATOR`` = the ``--device``, ``cpu`` by default): ZeRO-3
+  with ``offload_param`` and ``offload_optimizer`` on ``nvme`` (a temporary directory on the same
+  disk), its async IO (libaio) and CPU AdamW, every other knob at its default.
 
 Both start from the same weights (``torch.manual_seed(0)``, rank 0's broadcast), see the same
 batches (``chardata``, seeded per rank) and use AdamW with the same lr and no weight decay. Per
@@ -45,6 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import devices  # noqa: E402
 from chardata import VOCAB_SIZE, batch, load_splits  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
@@ -55,7 +57,8 @@ MiB = 2**20
 SIZES = {**PRESETS, "151M": (12, 1024, 16)}  # the recipe's sizes, and 12 x 1024
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", choices=sorted(SIZES), default="25M")
     ap.add_argument("--world-size", type=int, default=2)
@@ -69,7 +72,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the systems this many times, one after the other in each round; a "
                          "system's step is its median over the rounds (each round's is reported)")
-    return ap.parse_args()
+    devices.add_device_flag(ap)
+    args = ap.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
 
 
 def config_of(args: argparse.Namespace) -> GPTConfig:
@@ -109,12 +115,12 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def build_parts(config: GPTConfig, directory: str):
+def build_parts(config: GPTConfig, directory: str, device: torch.device):
     """parts.offload: shards and AdamW state in a DiskStore, stepping during backward."""
     from parts.offload import DiskStore, OffloadedOptimizer
     from parts.partition import attach, partitioned, shards
     store = DiskStore(os.path.join(directory, f"rank{dist.get_rank()}"))
-    with partitioned(remote_device=store):
+    with partitioned(device=device, remote_device=store):
         model = GPT(config)
     layer = 12 * config.n_embd ** 2
     attach(model, prefetch_bucket_size=layer, max_live_parameters=2 * layer, max_reuse_distance=0,
@@ -131,10 +137,10 @@ def build_parts(config: GPTConfig, directory: str):
     return step, store.close
 
 
-def build_memory(config: GPTConfig, directory: str):
+def build_memory(config: GPTConfig, directory: str, device: torch.device):
     """The reference: parts' ZeRO-3 in memory, torch AdamW (what both offloaded runs should equal)."""
     from parts.partition import attach, partitioned, shards
-    with partitioned():
+    with partitioned(device=device):
         model = GPT(config)
     attach(model)
     opt = torch.optim.AdamW(shards(model), lr=LR, weight_decay=0.0)
@@ -175,10 +181,9 @@ def minor_faults() -> int:
 
 
 def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namespace, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = devices.init_spawned(args.device, rank, world, port)  # gloo, or NCCL on GPU ``rank``
     config = config_of(args)
     directory = tempfile.mkdtemp(prefix=f"bench-{system}-", dir=args.dir) if rank == 0 else ""
     holder = [directory]
@@ -186,9 +191,9 @@ def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namesp
     torch.manual_seed(0)
     start = time.perf_counter()
     if system == "parts":
-        step, close = build_parts(config, holder[0])
+        step, close = build_parts(config, holder[0], device)
     elif system == "memory":
-        step, close = build_memory(config, holder[0])
+        step, close = build_memory(config, holder[0], device)
     else:
         step, close = build_infinity(config, holder[0], args.batch_size)
     built = time.perf_counter() - start
@@ -198,8 +203,11 @@ def _worker(rank: int, world: int, port: int, system: str, args: argparse.Namesp
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             io, load, cpu, faults = io_bytes(), os.getloadavg()[0], cpu_seconds(), minor_faults()
+        x, y = devices.to(device, *batch(tokens, args.batch_size, args.seq_len, gen))
+        devices.sync(device)
         started = time.perf_counter()
-        loss = step(*batch(tokens, args.batch_size, args.seq_len, gen))
+        loss = step(x, y)
+        devices.sync(device)
         dist.barrier()
         times.append(time.perf_counter() - started)
         dist.all_reduce(loss)
@@ -235,11 +243,12 @@ def _free_port() -> int:
 
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", args.device)  # DeepSpeed's: "cpu" or "cuda"
     os.makedirs(args.dir, exist_ok=True)
     psi = count_params(config_of(args))
     print(f"GPT {args.params} ({psi / 1e6:.0f} M params), world {args.world_size}, {args.batch_size}x"
-          f"{args.seq_len} tokens per rank, fp32 AdamW lr {LR}, {args.warmup} + {args.steps} steps", flush=True)
+          f"{args.seq_len} tokens per rank, fp32 AdamW lr {LR}, {args.warmup} + {args.steps} steps, "
+          f"compute on {args.device}", flush=True)
     write_rate, read_rate = raw_bandwidth(args.dir)
     print(f"raw disk bandwidth under {args.dir} (O_DIRECT, 8 MiB blocks): write {write_rate / MiB:.0f} MiB/s, "
           f"read {read_rate / MiB:.0f} MiB/s; system load {os.getloadavg()[0]:.1f}", flush=True)
@@ -313,7 +322,8 @@ def _report(args: argparse.Namespace, psi: int, results: dict, write_rate: float
             summary["parts RSS / in-memory RSS"] = round(
                 max(r[0] for r in results["parts"]["ranks"]) / max(r[0] for r in results["memory"]["ranks"]), 2)
     print(summary, flush=True)
-    record("bench_offload_infinity" + ("" if args.params == "25M" else f"_{args.params}"),
+    record("bench_offload_infinity" + ("" if args.params == "25M" else f"_{args.params}")
+           + ("_cuda" if args.device == "cuda" else ""),
            {"rows": rows, "summary": summary})
 
 

@@ -1,6 +1,7 @@
 """A/B of OffloadedOptimizer's pipeline across steps, in one run, against the in-memory system.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload_pipeline.py --rounds 2 --block 3
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload_pipeline.py --device cuda  # GPU compute
 
 Three systems built up front as ``bench_offload.py`` builds them: in memory, offloaded with the
 pipeline across steps (writes behind, reads ahead: the default) and offloaded within each step
@@ -33,7 +34,8 @@ from parts.offload import DiskStore  # noqa: E402
 NAMES = ("memory", "across", "within")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", choices=sorted(bench.PRESETS), default="125M")
     ap.add_argument("--store", default="/tmp/parts-bench-offload-pipeline")
@@ -41,13 +43,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--block", type=int, default=3, help="consecutive steps of one system")
-    return ap.parse_args()
+    bench.devices.add_device_flag(ap)
+    args = ap.parse_args(argv)
+    args.device = bench.devices.resolve(args.device)
+    args.after_backward = False  # bench_offload.step's default: the optimizer steps during backward
+    return args
 
 
 def run_block(system, store, tokens, gen, args) -> tuple[float, ...]:
     """Per-step means over one block: wall, CPU, optimizer-step wall, IO wait (seconds)."""
     model, opt = system
-    recs = [bench.step(model, opt, tokens, gen, args, store, settle=k == args.block - 1)
+    recs = [bench.step(model, opt, tokens, gen, args, store, flush=k == args.block - 1)
             for k in range(args.block)]
     wait = [r["io"].wait_seconds for r in recs] if store is not None else [0.0]
     return tuple(sum(r[key] for r in recs) / len(recs) for key in ("wall", "cpu", "opt_wall")) + (
@@ -88,13 +94,13 @@ def report(rows: list[dict], args, loads) -> None:
                           "optimizer_step_s": round(opt_wall, 3), "io_wait_s": round(wait, 3),
                           "wall_vs_memory": round(wall / med["memory"][0], 3),
                           "cpu_vs_memory": round(cpu / med["memory"][1], 3)})
-    record("bench_offload_pipeline", {"rows": table, "summary": {
+    record("bench_offload_pipeline" + ("_cuda" if args.device == "cuda" else ""), {"rows": table, "summary": {
         "model": args.params, "world": len(rows), "steps per block": args.block, "rounds": args.rounds}})
 
 
 def main() -> None:
     args = parse_args()
-    rank, _ = bench.setup()
+    rank, _ = bench.setup(args.device)
     stores = {"memory": None, "across": DiskStore(os.path.join(args.store, f"across{rank}")),
               "within": DiskStore(os.path.join(args.store, f"within{rank}"))}
     tokens, _ = load_splits(None)

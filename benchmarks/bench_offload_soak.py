@@ -3,6 +3,7 @@ and then sampled many times; RSS and live Python objects must stay flat.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload_soak.py
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload_soak.py --steps 200 --generates 200
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_offload_soak.py --device cuda  # GPU compute, NCCL
 
 Phase 1: ``--steps`` training steps under ``partitioned(remote_device=DiskStore)`` +
 ``attach`` + ``OffloadedOptimizer(AdamW)``, every step inside ``step_in_backward`` (the
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
 
@@ -41,10 +43,11 @@ from parts.offload._ioqueue import Op  # noqa: E402
 from parts.partition import attach, detach, partitioned, shards  # noqa: E402
 
 MiB = 2**20
+_DEVICE = [torch.device("cpu")]  # this rank's compute device, set from --device
 
 
-def parse_args() -> argparse.Namespace:
-    """Flags (every default shown by ``--help``)."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags (every default shown by ``--help``); ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = ap.add_argument
     add("--steps", type=int, default=1000, help="training steps (phase 1)")
@@ -59,7 +62,10 @@ def parse_args() -> argparse.Namespace:
     add("--after-backward", action="store_true", help="step after backward, not during it")
     add("--store", default=tempfile.gettempdir(), help="parent directory of the per-rank stores")
     add("--no-record", action="store_true", help="print only (a trial run): nothing appended to results/")
-    return ap.parse_args()
+    devices.add_device_flag(ap)
+    args = ap.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
 
 
 def sample() -> dict[str, float]:
@@ -86,7 +92,7 @@ def train(model, optimizer, config: GPTConfig, args: argparse.Namespace, rank: i
     samples, gen = [], torch.Generator().manual_seed(rank)
     for step in range(args.steps):
         tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
-        loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        loss = model(*devices.to(_DEVICE[0], tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
         if args.after_backward:
             loss.backward()
         else:
@@ -104,7 +110,7 @@ def generate(model, config: GPTConfig, args: argparse.Namespace) -> list:
     samples, gen = [], torch.Generator().manual_seed(0)  # same prompts on every rank
     model.eval()
     for call in range(args.generates):
-        prompt = torch.randint(0, config.vocab_size, (1, 8), generator=gen)
+        prompt, = devices.to(_DEVICE[0], torch.randint(0, config.vocab_size, (1, 8), generator=gen))
         model.generate(prompt, args.new_tokens)
         if (call + 1) % args.every == 0 or call == 0:
             samples.append((call + 1, sample()))
@@ -113,13 +119,13 @@ def generate(model, config: GPTConfig, args: argparse.Namespace) -> list:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    _DEVICE[0] = devices.init(args.device)  # gloo, or NCCL on LOCAL_RANK's GPU
     rank = dist.get_rank()
     torch.set_num_threads(1)
     config = GPTConfig(vocab_size=64, block_size=args.seq_len, n_layer=args.layers, n_head=2, n_embd=args.width)
     store = DiskStore(os.path.join(args.store, f"parts-soak-rank{rank}"))
     torch.manual_seed(0)
-    with partitioned(remote_device=store):
+    with partitioned(device=_DEVICE[0], remote_device=store):
         model = GPT(config)
     attach(model)
     optimizer = OffloadedOptimizer(torch.optim.AdamW(shards(model), lr=1e-3), store)
@@ -142,7 +148,7 @@ def report(results: list[dict], args: argparse.Namespace, train_seconds: float, 
     row: dict = {"steps": args.steps, "generates": args.generates, "new_tokens": args.new_tokens,
                  "layers": args.layers, "width": args.width, "world": len(results),
                  "in_backward": not args.after_backward, "train_s": round(train_seconds, 1),
-                 "total_s": round(seconds, 1)}
+                 "total_s": round(seconds, 1), "device": args.device}
     for rank, phases in enumerate(results):
         for phase, samples in phases.items():
             for i, s in samples:
@@ -156,7 +162,8 @@ def report(results: list[dict], args: argparse.Namespace, train_seconds: float, 
                         f"r{rank}_{phase}_rss_growth_mib": g["rss_mib"],
                         f"r{rank}_{phase}_objects_growth": g["objects"],
                         f"r{rank}_{phase}_ops_growth": g["ops"]})
-    where = "not recorded" if args.no_record else f"recorded in {record('bench_offload_soak', row)}"
+    name = "bench_offload_soak" + ("_cuda" if args.device == "cuda" else "")
+    where = "not recorded" if args.no_record else f"recorded in {record(name, row)}"
     print(f"wall: training {train_seconds:.0f} s, total {seconds:.0f} s; {where}", flush=True)
 
 

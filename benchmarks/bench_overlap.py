@@ -3,6 +3,7 @@
     python benchmarks/bench_overlap.py                          # both tables (about 1.5 min on 2 idle cores)
     python benchmarks/bench_overlap.py --only overhead --modules 400 --steps 50
     python benchmarks/bench_overlap.py --only prefetch --delays-ms 0,10,40 --link serial
+    python benchmarks/bench_overlap.py --device cuda   # on GPUs (NCCL for world 2); records ..._cuda
 
 1. ``host_overhead``: world 1 (no process group: every collective is a local copy), a stack
    of tiny ``nn.Linear`` layers so the hooks dominate. Median forward+backward step time of
@@ -11,7 +12,7 @@
    module calls per step (forward and backward of every Linear: the trace of the fetching
    setting). With every parameter persistent no Linear is hooked, so that setting's cost is
    the step's refresh and grad handling spread over the same calls.
-2. ``prefetch_hiding``: world 2, gloo. The all-gather of ``parts.partition.core.gather`` is
+2. ``prefetch_hiding``: world 2, gloo (NCCL on GPUs). The all-gather of ``parts.partition.core.gather`` is
    replaced, inside each worker, by one that takes ``delay`` more seconds of wall time: a
    blocking call sleeps after the real one, an async call returns a handle whose ``wait()``
    returns no earlier than issue time + delay (``--link parallel``: concurrent transfers
@@ -39,6 +40,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
 
@@ -51,21 +53,21 @@ def _tiny_stack(modules: int, width: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(modules)])
 
 
-def _overhead_model(setting: str, modules: int, width: int) -> tuple[nn.Module, list, Any]:
+def _overhead_model(setting: str, modules: int, width: int, device: torch.device) -> tuple[nn.Module, list, Any]:
     """The tiny-layer stack for ``setting``: model, tensors whose grads to clear, coordinator."""
     from parts.partition import attach, partitioned, shards
     torch.manual_seed(0)
     if setting == "plain":
-        model = _tiny_stack(modules, width)
+        model = _tiny_stack(modules, width).to(device)
         return model, list(model.parameters()), None
     if setting == "fsdp2":  # every Linear a fully_shard unit (and the root), world 1
         from torch.distributed.fsdp import fully_shard
-        model = _tiny_stack(modules, width)
+        model = _tiny_stack(modules, width).to(device)
         for layer in model:
             fully_shard(layer)
         fully_shard(model)
         return model, list(model.parameters()), None
-    with partitioned():
+    with partitioned(device=device):
         model = _tiny_stack(modules, width)
     # fetch_unit_size=0: every Linear hooked on its own, so a step makes one hooked call per module
     knobs = (dict(persistence_threshold=1 << 40, fetch_unit_size=0) if setting == "persistent"
@@ -75,41 +77,44 @@ def _overhead_model(setting: str, modules: int, width: int) -> tuple[nn.Module, 
 
 def _one_step(model: nn.Module, grads: list, x: torch.Tensor) -> float:
     """Seconds for one forward+backward (grads cleared inside, as a training loop would)."""
+    devices.sync(x.device)
     started = time.perf_counter()
     model(x).sum().backward()
     for t in grads:
         t.grad = None
+    devices.sync(x.device)
     return time.perf_counter() - started
 
 
-def _world_of_one() -> bool:
-    """Start a one-rank gloo group (FSDP2 needs one); True if this call started it."""
+def _world_of_one(device: torch.device) -> bool:
+    """Start a one-rank group (FSDP2 needs one; NCCL on a GPU); True if this call started it."""
     if dist.is_initialized():
         return False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     return True
 
 
 def host_overhead(modules: int = 200, width: int = 16, batch: int = 4, steps: int = 40,
-                  warmup: int = 3, fsdp2: bool = False) -> dict[str, dict]:
-    """Median step time per setting and the added µs per module call (world 1);
+                  warmup: int = 3, fsdp2: bool = False, device: str = "cpu") -> dict[str, dict]:
+    """Median step time per setting and the added µs per module call (world 1, on ``device``);
     with ``fsdp2`` also FSDP2 with every Linear a unit, its cost per call over the same calls."""
     settings = SETTINGS + (("fsdp2",) if fsdp2 else ())
-    started = _world_of_one() if fsdp2 else False
+    where = devices.pick(device)
+    started = _world_of_one(where) if fsdp2 else False
     try:
-        return _measure_overhead(settings, modules, width, batch, steps, warmup)
+        return _measure_overhead(settings, modules, width, batch, steps, warmup, where)
     finally:
         if started:
             dist.destroy_process_group()
 
 
 def _measure_overhead(settings: tuple, modules: int, width: int, batch: int, steps: int,
-                      warmup: int) -> dict[str, dict]:
+                      warmup: int, device: torch.device) -> dict[str, dict]:
     """The timing loop of ``host_overhead``."""
-    built = {s: _overhead_model(s, modules, width) for s in settings}
-    x = torch.randn(batch, width)
+    built = {s: _overhead_model(s, modules, width, device) for s in settings}
+    x, = devices.to(device, torch.randn(batch, width))
     times: dict[str, list] = {s: [] for s in settings}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -192,15 +197,15 @@ class _SlowGather:
         return work
 
 
-def _build_cell(config: GPTConfig, prefetch: bool, rank: int) -> dict:
+def _build_cell(config: GPTConfig, prefetch: bool, rank: int, device: torch.device) -> dict:
     """A fresh GPT (same seed for every cell) with every block fetched per use, and its optimizer."""
     from parts.partition import attach, partitioned, shards
     torch.manual_seed(0)
-    with partitioned():
+    with partitioned(device=device):
         model = GPT(config)
     knobs = dict(persistence_threshold=0, max_reuse_distance=0)
     coordinator = attach(model, **knobs, **({} if prefetch else dict(prefetch_bucket_size=0)))
-    return dict(model=model, coordinator=coordinator, gen=torch.Generator().manual_seed(1000 + rank),
+    return dict(model=model, coordinator=coordinator, device=device, gen=torch.Generator().manual_seed(1000 + rank),
                 optimizer=torch.optim.AdamW(shards(model), lr=3e-4), times=[], loss=None)
 
 
@@ -208,11 +213,14 @@ def _cell_step(cell: dict, config: GPTConfig, batch: int) -> None:
     """One training step of ``cell`` (same batches in every cell); records its time and loss."""
     inputs, targets = (torch.randint(config.vocab_size, (batch, config.block_size),
                                      generator=cell["gen"]) for _ in range(2))
+    inputs, targets = devices.to(cell["device"], inputs, targets)
+    devices.sync(cell["device"])
     started = time.perf_counter()
     loss = cell["model"](inputs, targets)
     loss.backward()
     cell["optimizer"].step()
     cell["optimizer"].zero_grad(set_to_none=True)
+    devices.sync(cell["device"])
     cell["times"].append(time.perf_counter() - started)
     cell["loss"] = loss.item()
 
@@ -229,14 +237,13 @@ def _summary(cell: dict) -> dict:
 def _hiding_worker(rank: int, world: int, port: int, cells: list, config: GPTConfig,
                    opts: dict, results: Any) -> None:
     """One rank: train every (delay, prefetch) cell, one step of each in turn (drift hits all alike)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = devices.init_spawned(opts["device"], rank, world, port)  # gloo, or NCCL on GPU ``rank``
     gather_module = importlib.import_module("parts.partition.core.gather")  # not the `gather` function
     real = gather_module.all_gather_many
     slow = gather_module.all_gather_many = _SlowGather(real, opts["serial"])
     try:
-        state = {(d, p): _build_cell(config, p, rank) for d, p in cells}
+        state = {(d, p): _build_cell(config, p, rank, device) for d, p in cells}
         for _ in range(opts["steps"]):
             for (delay, _), cell in state.items():
                 slow.set_delay(delay)
@@ -260,12 +267,12 @@ def _free_port() -> int:
 
 def prefetch_hiding(delays: tuple = (0.0, 0.02), steps: int = 16, n_layer: int = 6, n_embd: int = 128,
                     seq: int = 64, batch: int = 4, vocab: int = 128, world_size: int = 2,
-                    serial: bool = False) -> dict[tuple, dict]:
+                    serial: bool = False, device: str = "cpu") -> dict[tuple, dict]:
     """Median step time, gathers per step and loss per (delay, prefetch) cell; raises if losses differ."""
     config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=4, n_embd=n_embd)
     cells = [(d, p) for d in delays for p in (False, True)]
     results = mp.Manager().dict()
-    opts = dict(steps=steps, batch=batch, serial=serial)
+    opts = dict(steps=steps, batch=batch, serial=serial, device=device)
     mp.spawn(_hiding_worker, args=(world_size, _free_port(), cells, config, opts, results),
              nprocs=world_size)
     rows = {cell: dict(results[cell]) for cell in cells}
@@ -315,7 +322,8 @@ def _print_hiding(rows: dict[tuple, dict], args: argparse.Namespace) -> list[dic
     return table
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("overhead", "prefetch"), default=None)
     parser.add_argument("--modules", type=int, default=200)
@@ -329,17 +337,26 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
-    args = parser.parse_args()
+    devices.add_device_flag(parser)
+    args = parser.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    """Run the tables asked for, print and record them."""
+    args = parse_args()
+    suffix = "_cuda" if args.device == "cuda" else ""
     if args.only != "prefetch":
         table = _print_overhead(host_overhead(args.modules, args.width, args.batch_overhead,
-                                              args.steps_overhead), args)
-        record("bench_overlap_overhead", {"rows": table, "summary": {
+                                              args.steps_overhead, device=args.device), args)
+        record("bench_overlap_overhead" + suffix, {"rows": table, "summary": {
             "model": f"{args.modules} x Linear({args.width}, {args.width}), world 1"}})
     if args.only != "overhead":
         delays = tuple(float(d) / 1e3 for d in args.delays_ms.split(","))
         rows = prefetch_hiding(delays, args.steps, args.n_layer, args.n_embd, args.seq, args.batch,
-                               serial=args.link == "serial")
-        record("bench_overlap_prefetch", {"rows": _print_hiding(rows, args), "summary": {
+                               serial=args.link == "serial", device=args.device)
+        record("bench_overlap_prefetch" + suffix, {"rows": _print_hiding(rows, args), "summary": {
             "model": f"GPT {args.n_layer} layers x {args.n_embd}, world 2, {args.link} link",
             "final losses with prefetch on and off": "identical (torch.equal)"}})
 

@@ -6,6 +6,7 @@ masters unless the variant says otherwise. Prints the final training loss and th
 validation loss after ``--steps`` steps, and their relative gap to the fp32 run.
 
     PYTHONPATH=$PWD:$PWD/recipes python benchmarks/precision_experiments.py --steps 30
+    PYTHONPATH=$PWD:$PWD/recipes python benchmarks/precision_experiments.py --device cuda  # one GPU
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from chardata import VOCAB_SIZE, batch, load_splits  # noqa: E402
 from gpt_model import GPT, GPTConfig  # noqa: E402
 from record import record  # noqa: E402
@@ -43,7 +45,8 @@ class Untied(GPT):
     """The recipes' GPT whose output projection reads a separate copy of the tied weight."""
 
     def forward(self, idx, targets):
-        x = self.wte(idx).to(self.head.dtype) + self.wpe(torch.arange(idx.shape[1])).to(self.head.dtype)
+        where = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx).to(self.head.dtype) + self.wpe(where).to(self.head.dtype)
         for block in self.blocks:
             x = block(x)
         logits = F.linear(self.ln_f(x).to(self.head.dtype), self.head)
@@ -60,11 +63,11 @@ def _keep_fp32(model: nn.Module, kinds: tuple) -> None:
                 module.register_forward_hook(lambda m, args, out: out.to(BF16))
 
 
-def train(variant, args, tokens, val) -> tuple[float, float]:
-    """Train one variant; return (final training loss, validation loss)."""
+def train(variant, args, tokens, val, device: torch.device = torch.device("cpu")) -> tuple[float, float]:
+    """Train one variant on ``device``; return (final training loss, validation loss)."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.seq, n_layer=args.layers, n_embd=args.width)
-    model = Untied(config)
+    model = Untied(config).to(device)
     model.head = nn.Parameter(model.wte.weight.detach().clone())
     names = [n for n, _ in model.named_parameters() if n != "head"]
     masters = {n: p.detach().clone() for n, p in model.named_parameters() if n != "head"}
@@ -88,7 +91,7 @@ def train(variant, args, tokens, val) -> tuple[float, float]:
         grads = {n: None for n in names}
         total = 0.0
         for _ in range(args.micro):
-            loss = model(*batch(tokens, args.batch, args.seq, gen)) / args.micro
+            loss = model(*devices.to(device, *batch(tokens, args.batch, args.seq, gen))) / args.micro
             loss.backward()
             total += loss.item()
             if v.get("accum") is None:
@@ -105,7 +108,8 @@ def train(variant, args, tokens, val) -> tuple[float, float]:
             params[n].copy_(masters[n])
         params["head"].copy_(masters["wte.weight"])
         vgen = torch.Generator().manual_seed(2)
-        val_loss = sum(model(*batch(val, args.batch, args.seq, vgen)).item() for _ in range(8)) / 8
+        val_loss = sum(model(*devices.to(device, *batch(val, args.batch, args.seq, vgen))).item()
+                       for _ in range(8)) / 8
     return loss_value, val_loss
 
 
@@ -125,14 +129,24 @@ def _collect(model: nn.Module, grads: dict, v: dict) -> None:
     params["head"].grad = None
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser(description=__doc__)
     for flag, default in [("--steps", 30), ("--micro", 2), ("--batch", 8), ("--seq", 64),
                           ("--layers", 4), ("--width", 128)]:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--only", default=None, help="substring of the variants to run")
-    args = ap.parse_args()
+    devices.add_device_flag(ap)
+    args = ap.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    """Train every variant and print its losses beside the first (fp32) run's."""
+    args = parse_args()
+    device = devices.pick(args.device)
     torch.set_num_threads(1)
     tokens, val = load_splits(None)
     base = None
@@ -140,14 +154,14 @@ def main() -> None:
     for name, variant in VARIANTS.items():
         if args.only and variant is not None and args.only not in name:
             continue
-        final, vloss = train(variant, args, tokens, val)
+        final, vloss = train(variant, args, tokens, val, device)
         base = base or (final, vloss)
         print(f"{name:48s} train {final:.4f} ({100 * (final / base[0] - 1):+.2f}%)  "
               f"val {vloss:.4f} ({100 * (vloss / base[1] - 1):+.2f}%)", flush=True)
         rows.append({"variant": name, "train_loss": round(final, 4),
                      "train_vs_first": f"{100 * (final / base[0] - 1):+.2f}%", "val_loss": round(vloss, 4),
                      "val_vs_first": f"{100 * (vloss / base[1] - 1):+.2f}%"})
-    record("precision_experiments", {"rows": rows})
+    record("precision_experiments" + ("_cuda" if args.device == "cuda" else ""), {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Peak RSS of the main recipe per rank, at step 100 and at its last step, over several runs.
 
     python benchmarks/recipe_rss.py --runs 5
+    python benchmarks/recipe_rss.py --runs 5 --device cuda   # the recipe on two GPUs; records recipe_rss_cuda
 
 Each run is the Quick start's command (``torchrun --standalone --nproc-per-node 2
 recipes/train_gpt.py``, 1,100 steps by default) with ``--memory-every 100``, which makes the recipe
@@ -19,6 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import devices  # noqa: E402
 from record import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,22 +57,31 @@ def run_row(run: int, memory: dict, seconds: float, tolerance: float) -> dict:
             "largest_growth": f"{growth:+.1%}", "within": growth <= tolerance, "wall_s": round(seconds, 1)}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags (``args.extra``: the rest, passed to the recipe); ``args.device`` resolved to ``cpu`` or ``cuda``."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=1100)
     ap.add_argument("--tolerance", type=float, default=0.05, help="largest allowed peak growth (0.05: 5%%)")
-    args, extra = ap.parse_known_args()
+    devices.add_device_flag(ap)
+    args, args.extra = ap.parse_known_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> int:
+    """Run the recipe ``--runs`` times, print and record the peak RSS growth of each run."""
+    args = parse_args()
     rows = []
     for run in range(1, args.runs + 1):
-        memory, seconds = one_run(args.steps, extra)
+        memory, seconds = one_run(args.steps, ["--device", args.device, *args.extra])
         rows.append(run_row(run, memory, seconds, args.tolerance))
         print(rows[-1], flush=True)
     passed = sum(r["within"] for r in rows)
     summary = {"runs within tolerance": f"{passed} of {len(rows)} (peak RSS growth <= {args.tolerance:.0%} "
                                         "from step 100 to the last step, every rank)"}
     print(summary)
-    record("recipe_rss", {"rows": rows, "summary": summary})
+    record("recipe_rss" + ("_cuda" if args.device == "cuda" else ""), {"rows": rows, "summary": summary})
     return 0 if passed == len(rows) else 1
 
 
