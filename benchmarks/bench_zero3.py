@@ -256,7 +256,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", choices=sorted(MODELS), default="25m",
@@ -277,9 +278,14 @@ def main() -> None:
                         help="run every system this many times, alternating; report the median")
     parser.add_argument("--no-overhead", action="store_true", help="skip the world-1 host-overhead run")
     devices.add_device_flag(parser)
-    args = parser.parse_args()
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")  # DeepSpeed's, for the deepspeed system
+    args = parser.parse_args(argv)
+    args.device = devices.resolve(args.device)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", args.device)  # DeepSpeed's, for the deepspeed system
     for name, value in MODELS[args.model].items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     bf16 = args.dtype == "bf16"
@@ -312,8 +318,8 @@ def main() -> None:
     summary.update({f"{system} vs DDP round by round": r for system, r in paired.items()})
     if not args.no_overhead:
         summary.update(_print_overhead())
-    suffix = "".join(f"_{v}" for v, default in ((args.model, "25m"), (args.dtype, "fp32"), ("cuda" if cuda else "cpu",
-                                                                                             "cpu")) if v != default)
+    suffix = "".join(f"_{v}" for v, default in ((args.model, "25m"), (args.dtype, "fp32"), (args.device, "cpu"))
+                     if v != default)
     record("bench_zero3" + suffix, {"rows": table, "summary": summary})
 
 
