@@ -5,21 +5,23 @@
     python benchmarks/bench_overlap.py --only prefetch --delays-ms 0,10,40 --link serial
     python benchmarks/bench_overlap.py --device cuda   # on GPUs (NCCL for world 2); records ..._cuda
 
-1. ``host_overhead``: world 1 (no process group: every collective is a local copy), a stack
-   of tiny ``nn.Linear`` layers so the hooks dominate. Median forward+backward step time of
+1. ``host_overhead``: world 1 (no process group: every collective is a local copy; on a GPU a
+   one-rank NCCL group, so the copies stay on the GPU), a stack of tiny ``nn.Linear`` layers
+   so the hooks dominate. Median forward+backward step time of
    the plain model, of parts with every parameter persistent (hooks only, no fetch) and of
    parts fetching and releasing around every call; the difference to plain divided by the
    module calls per step (forward and backward of every Linear: the trace of the fetching
    setting). With every parameter persistent no Linear is hooked, so that setting's cost is
    the step's refresh and grad handling spread over the same calls.
-2. ``prefetch_hiding``: world 2, gloo (NCCL on GPUs). The all-gather of ``parts.partition.core.gather`` is
-   replaced, inside each worker, by one that takes ``delay`` more seconds of wall time: a
-   blocking call sleeps after the real one, an async call returns a handle whose ``wait()``
-   returns no earlier than issue time + delay (``--link parallel``: concurrent transfers
-   overlap each other, pure latency) or queues behind the previous transfer (``--link
-   serial``: one link, transfers back to back). The GPT of recipes/gpt_model.py trains with
-   every block fetched in forward and backward, prefetch off and on, one step of every cell in
-   turn (so load drift hits all cells alike); the losses with prefetch off and on must agree.
+2. ``prefetch_hiding``: world 2, gloo (NCCL on GPUs). The all-gather of
+   ``parts.partition.core.gather`` is replaced, inside each worker, by one that takes ``delay``
+   more seconds of wall time: a blocking call sleeps after the real one, an async call returns
+   a handle whose ``wait()`` returns no earlier than issue time + delay (``--link parallel``:
+   concurrent transfers overlap each other, pure latency) or queues behind the previous
+   transfer (``--link serial``: one link, transfers back to back). The GPT of
+   recipes/gpt_model.py trains with every block fetched in forward and backward, prefetch off
+   and on, one step of every cell in turn (so load drift hits all cells alike); the losses with
+   prefetch off and on must agree.
 """
 
 from __future__ import annotations
@@ -87,12 +89,16 @@ def _one_step(model: nn.Module, grads: list, x: torch.Tensor) -> float:
 
 
 def _world_of_one(device: torch.device) -> bool:
-    """Start a one-rank group (FSDP2 needs one; NCCL on a GPU); True if this call started it."""
+    """Start a one-rank group (gloo; NCCL on a GPU, whose collectives then stay on it); True if
+    this call started it."""
     if dist.is_initialized():
         return False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
     return True
 
 
@@ -102,7 +108,7 @@ def host_overhead(modules: int = 200, width: int = 16, batch: int = 4, steps: in
     with ``fsdp2`` also FSDP2 with every Linear a unit, its cost per call over the same calls."""
     settings = SETTINGS + (("fsdp2",) if fsdp2 else ())
     where = devices.pick(device)
-    started = _world_of_one(where) if fsdp2 else False
+    started = _world_of_one(where) if fsdp2 or where.type == "cuda" else False
     try:
         return _measure_overhead(settings, modules, width, batch, steps, warmup, where)
     finally:
