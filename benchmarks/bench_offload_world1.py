@@ -40,7 +40,9 @@ STEP = re.compile(r"^\[[#.]+\] (\d+)/\d+ loss ([\d.naif]+)\s+step ([\d.]+)s .*?d
                   r"\s+disk write [\d.]+s \(([\d.]+) GiB\).*?RSS/rank (\d+) MiB\s+disk ([\d.]+) GiB/rank")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``args.device`` comes back resolved to ``cpu`` or ``cuda`` (with ``--from-log``,
+    ``cuda`` is taken as given: the log may come from another machine)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="1.7B", help="the recipe's --params preset")
     ap.add_argument("--memory-budget-gib", type=float, default=4.0, help="the recipe's --memory-budget-gib")
@@ -52,7 +54,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--log", type=Path, default=Path("/tmp/bench_offload_world1.log"))
     ap.add_argument("--from-log", type=Path, default=None, help="parse this log of a finished run, launch nothing")
     devices.add_device_flag(ap)
-    return ap.parse_args()
+    args = ap.parse_args(argv)
+    if not (args.from_log and args.device == "cuda"):
+        args.device = devices.resolve(args.device)
+    return args
 
 
 def mem_total() -> int:
@@ -141,9 +146,7 @@ def main() -> None:
                         "--memory-budget-gib", str(args.memory_budget_gib), "--steps", str(args.steps),
                         "--seq-len", str(args.seq_len), *["--same-batch"] * args.same_batch,
                         *(["--lr", str(args.lr)] if args.lr else []), "--device", args.device])
-    import torch
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    print(record("bench_offload_world1" + ("_cuda" if cuda else ""), table, command=command))
+    print(record("bench_offload_world1" + ("_cuda" if args.device == "cuda" else ""), table, command=command))
     for key, value in [*table["rows"][0].items(), *table["summary"].items()]:
         print(f"{key}: {value}")
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-GPU_BENCHMARKS = ["bench_zero3", "bench_optim", "bench_optim_whole", "bench_compile",
+GPU_BENCHMARKS = ["bench_zero3", "bench_offload_world1", "bench_optim", "bench_optim_whole", "bench_compile",
                   "bench_compression", "bench_generate", "bench_checkpoint", "bench_checkpoint_dcp", "bench_offload",
                   "bench_offload_pipeline", "bench_offload_infinity", "bench_offload_soak", "bench_overlap",
                   "precision_experiments", "recipe_rss"]
