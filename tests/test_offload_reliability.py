@@ -383,3 +383,44 @@ def test_sigterm_while_the_io_threads_create_files_leaves_no_scratch_behind(tmp_
     until the directory is gone (no thread can create a file in it after that)."""
     for left in run(2, body_sigterm_while_writing, str(tmp_path), 4, timeout=FAST):
         assert left == [None] * 4, left
+
+
+def _making_child(parent: str) -> None:
+    """A forked process making a store under ``parent`` (reclaiming a dead owner's directory there); never returns."""
+    code = 0
+    try:
+        DiskStore(parent)
+        time.sleep(30)
+    except BaseException:  # noqa: BLE001 - a forked child must never return into the harness
+        code = 1
+    os._exit(code)
+
+
+def body_sigterm_while_making(tmp: str, runs: int) -> list:
+    """SIGTERM a child as soon as its store directory appears (it is still reclaiming a dead owner's
+    3,000 files): how it ended and what it left besides the dead owner's directory."""
+    out = []
+    for k in range(runs):
+        parent = f"{tmp}/r{dist.get_rank()}-{k}"
+        pid, dead = _spawn(parent)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for i in range(3000):
+            os.close(os.open(os.path.join(dead, f"{i:08d}.bin"), os.O_CREAT | os.O_WRONLY, 0o600))
+        pid = os.fork()
+        if pid == 0:
+            _making_child(parent)
+        while len(os.listdir(parent)) < 2:
+            time.sleep(0.0005)
+        os.kill(pid, signal.SIGTERM)
+        status = os.waitpid(pid, 0)[1]
+        left = sorted(n for n in os.listdir(parent) if os.path.join(parent, n) != dead)
+        out.append((os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, left))
+    return out
+
+
+def test_sigterm_while_a_store_is_being_made_leaves_no_scratch_behind(tmp_path):
+    """The directory is the handler's from the moment it exists: a SIGTERM while the store writes
+    its owner record or reclaims dead owners' directories removes it too."""
+    for runs in run(2, body_sigterm_while_making, str(tmp_path), 3, timeout=FAST):
+        assert runs == [(True, [])] * 3, runs

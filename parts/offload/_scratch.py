@@ -9,13 +9,17 @@ another pid namespace (another container: its pids mean nothing here) or without
 record is left alone.
 
 SIGTERM (what ``kill``, ``timeout``, Slurm and Kubernetes send) would end the process without
-running exit handlers. A handler installed with the first store removes every live store's
-directory, then does what the signal did before: under the default disposition the process
+running exit handlers. A handler installed before the first store's directory is made removes
+every live store's directory, then does what the signal did before: under the default disposition the process
 is terminated by SIGTERM again; an earlier Python handler is called instead (it may save a
 checkpoint from the store, so the directories stay until the process exits normally, which
 removes them); an ignored SIGTERM stays ignored. Python runs signal handlers on the main
 thread between bytecodes: a process blocked inside a native call (a hung collective) handles
-it when the call returns; SIGKILL leaves the directory, for the next store to reclaim.
+it when the call returns; SIGKILL leaves the directory, for the next store to reclaim. A
+directory is the handler's from the moment it exists: a SIGTERM while it is being made (its
+owner record written, dead owners' directories reclaimed, which may take seconds) removes it
+too; one arriving between ``mkdtemp`` and the directory's registration is held until that is
+done (on the main thread, where the handler runs).
 """
 
 from __future__ import annotations
@@ -98,17 +102,41 @@ def _owner_gone(directory: str, here: dict[str, Optional[str]]) -> bool:
     return now == "zombie" or (start is not None and now is not None and now != start)
 
 
-def make_dir(path: str) -> str:
-    """A fresh private directory under ``path`` (created if missing) recording its owner; a clear
-    error if impossible."""
+def make_dir(path: str) -> "Watch":
+    """A fresh private directory under ``path`` (created if missing) recording its owner, removed on
+    SIGTERM from the moment it exists (module docstring); a clear error if impossible."""
+    _install()
     try:
         os.makedirs(path, exist_ok=True)
-        directory = tempfile.mkdtemp(prefix=PREFIX, dir=path)
-        write_owner(directory)
-        return directory
+        holder = _create(path)
     except OSError as e:
-        raise PermissionError(f"DiskStore: cannot create scratch files under {path!r} "
-                              f"({e.strerror or e}); pass a writable directory") from e
+        raise _unwritable(path, e) from e
+    try:
+        write_owner(holder.directory)
+    except OSError as e:
+        remove_tree(holder.directory)
+        raise _unwritable(path, e) from e
+    return holder
+
+
+def _unwritable(path: str, e: OSError) -> PermissionError:
+    return PermissionError(f"DiskStore: cannot create scratch files under {path!r} "
+                           f"({e.strerror or e}); pass a writable directory")
+
+
+def _create(path: str) -> "Watch":
+    """``mkdtemp`` and the directory's registration for the handler, a SIGTERM between them held
+    until both are done (on the main thread, where the handler runs)."""
+    holding = threading.current_thread() is threading.main_thread()
+    _installed["creating"] = holding
+    try:
+        holder = Watch(tempfile.mkdtemp(prefix=PREFIX, dir=path))
+        _live[id(holder)] = holder
+        return holder
+    finally:
+        _installed["creating"] = False
+        if holding and _installed.pop("held", None) is not None:
+            _on_sigterm(signal.SIGTERM, None)
 
 
 def directory_bytes(directory: str) -> int:
@@ -157,6 +185,9 @@ def remove_tree(directory: str, tries: int = 1000) -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Remove the live stores' directories, then do what SIGTERM did before (module docstring)."""
+    if _installed.get("creating"):
+        _installed["held"] = signum  # a directory is being made: handled once it is registered
+        return
     previous = _installed.get("previous")
     if callable(previous):
         previous(signum, frame)
@@ -181,15 +212,11 @@ class Watch:
             remove_tree(self.directory)
 
 
-def watch(directory: str) -> Watch:
-    """Register ``directory`` for removal on SIGTERM (installing the handler once per process, from
-    the main thread; elsewhere nothing is installed); keep the returned object alive with the store."""
-    holder = Watch(directory)
-    _live[id(holder)] = holder
+def _install() -> None:
+    """Put the SIGTERM handler in place once per process, from the main thread (elsewhere nothing)."""
     if _installed.get("pid") != os.getpid() and threading.current_thread() is threading.main_thread():
         current: Callable | int | None = signal.getsignal(signal.SIGTERM)
         if current is not _on_sigterm:
             _installed["previous"] = current
             signal.signal(signal.SIGTERM, _on_sigterm)
         _installed["pid"] = os.getpid()
-    return holder

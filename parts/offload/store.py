@@ -118,9 +118,9 @@ class DiskStore:
         _heap.bound_heap()  # freed transfer buffers leave the process: the memory bound holds
         reuse = StoragePool(self.budget.reuse_bytes if reuse_bytes is None else reuse_bytes, newest_first=False)
         self.path = os.path.abspath(os.fspath(path))
-        self.directory = _scratch.make_dir(self.path)
+        self._watch = _scratch.make_dir(self.path)  # removed on SIGTERM from the moment it exists
+        self.directory = self._watch.directory
         self.reclaimed_bytes = _scratch.reclaim(self.path, keep=self.directory)  # left by dead owners
-        self._watch = _scratch.watch(self.directory)  # removed on SIGTERM
         self._queue = IOQueue(threads, "parts-offload")
         self._finalizer = weakref.finalize(self, _remove_dir, self.directory, os.getpid(), self._queue)
         can = _fileio.probe_direct(self.directory)
