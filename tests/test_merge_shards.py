@@ -28,10 +28,12 @@ def _lora(model):
         return peft.get_peft_model(model, config)
 
 
-def merge_sharded(path: str) -> bool:
+def merge_sharded(path: str, reattach: bool = False) -> bool:
+    """Train a step, merge, (``reattach``: detach and attach the merged model first) save through DCP,
+    load into a fresh model: equal to the unsharded peft merge, bitwise?"""
     from parts.comm import dcp
-    from parts.partition import (attach, full_state_dict, load_sharded_state_dict, partitioned, sharded_state_dict,
-                                 shards)
+    from parts.partition import (attach, detach, full_state_dict, load_sharded_state_dict, partitioned,
+                                 sharded_state_dict, shards)
     torch.manual_seed(0)
     with partitioned():
         base = transformers.LlamaForCausalLM(_config())
@@ -45,6 +47,10 @@ def merge_sharded(path: str) -> bool:
     model(input_ids=ids)  # the kept-gathered weights are current again
     trained = full_state_dict(model, rank0_only=False)
     merged = model.merge_and_unload()
+    if reattach:  # the merge lives in the kept-gathered copies, which detach releases
+        detach(merged)
+        attach(merged)
+        merged(input_ids=ids)
     dcp.save(sharded_state_dict(merged), checkpoint_id=path)
     torch.manual_seed(1)
     with partitioned():
@@ -64,8 +70,12 @@ def test_merge_and_unload_on_an_attached_model_reaches_the_shards(tmp_path, worl
     assert run(world, merge_sharded, str(tmp_path / "ckpt"), timeout=120.0) == [True] * world
 
 
+def test_a_merge_survives_detach_and_attach(tmp_path) -> None:
+    assert run(2, merge_sharded, str(tmp_path / "ckpt"), True, timeout=120.0) == [True, True]
+
+
 def merge_in_bf16() -> str:
-    from parts.partition import MixedPrecision, attach, partitioned, sharded_state_dict, shards
+    from parts.partition import MixedPrecision, attach, detach, partitioned, sharded_state_dict, shards
     torch.manual_seed(0)
     with partitioned():
         base = transformers.LlamaForCausalLM(_config())
@@ -78,13 +88,17 @@ def merge_in_bf16() -> str:
     optimizer.step()  # lora_B is no longer zero: the merge changes the weights
     model(input_ids=ids)  # the kept-gathered weights are bf16 copies
     merged = model.merge_and_unload()
-    try:
-        sharded_state_dict(merged)
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    said = []
+    for call in (sharded_state_dict, detach):  # detach too: it would release the only merged copies
+        try:
+            call(merged)
+            said.append("no error")
+        except RuntimeError as error:
+            said.append(str(error))
+    return said
 
 
 def test_a_merge_into_bf16_copies_of_fp32_shards_raises_naming_the_way_out() -> None:
-    for said in run(2, merge_in_bf16, timeout=120.0):
-        assert "q_proj.base_layer.weight" in said and "modifier_rank=0" in said and "refresh" in said, said
+    for rank_said in run(2, merge_in_bf16, timeout=120.0):
+        for said in rank_said:
+            assert "q_proj.base_layer.weight" in said and "modifier_rank=0" in said and "refresh" in said, said

@@ -41,11 +41,11 @@ from parts.comm import GroupArg, WeakGroup
 from parts.partition.core.grad_guard import raw_grad
 from parts.partition.construction.construct import drop_forward_check, restore_forward_check
 from parts.partition.interop.convert import install_apply, remove_apply
+from parts.partition.interop.sharded_state import adopt_edits
 from parts.partition.interop.zero_grad import install_zero_grad, remove_zero_grad
 from parts.partition.coordinator.attached import Attached, Through
 from parts.partition.coordinator.checks import agree_to_attach, agreement_scopes, external_of
-from parts.partition.coordinator.hooks import (AttachedLookup, ModuleHooks, eager,
-                                               register_pre_backward)
+from parts.partition.coordinator.hooks import AttachedLookup, ModuleHooks, eager, register_pre_backward
 from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.stats import CoordinatorStats
 from parts.partition.coordinator.step import ModuleCall, StepState
@@ -147,7 +147,8 @@ class FetchCoordinator:
         return [meta(p) for p in self.table.params.values()]
 
     def detach(self) -> None:
-        """Remove every hook; parameters stay sharded (use ``gathered`` to read them)."""
+        """Remove every hook; parameters stay sharded (use ``gathered`` to read them). In-place edits of
+        kept-gathered copies (peft's ``merge_and_unload``) are written into the shards first."""
         if self._root is None:
             return
         if self._stack:
@@ -155,14 +156,13 @@ class FetchCoordinator:
                                f"{[self.table.names[c.index] for c in self._stack]} are running)")
         self._drop_aborted_backward()
         self.reducer.wait()
+        adopt_edits((self.table.param_names.get(i, f"#{i}"), p) for i, p in self.table.params.items())
         if self.knobs.debug:
             self.steps.outside("detach")
             points.unregister(self._records(), self._checker)
         self.steps.close()
         self.watch.close()
-        for hooks in self._hooks.values():
-            hooks.remove()
-        for handle in self._grad_hooks:
+        for handle in [*self._hooks.values(), *self._grad_hooks]:
             handle.remove()
         self.live.release_all()
         if self._undo_precision is not None:
@@ -171,7 +171,6 @@ class FetchCoordinator:
         remove_apply(self.table.modules)
         for sub in self.table.modules:
             restore_forward_check(sub)
-        for sub in self.table.modules:
             if _attached.get(sub) is self:
                 del _attached[sub]
         self._last, self._state = self.steps.last, None

@@ -16,7 +16,7 @@ the global shapes are those of FSDP2's ``get_model_state_dict``: checkpoints go 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -84,6 +84,12 @@ def adopt_edit(key: str, p: nn.Parameter) -> None:
     with torch.no_grad():
         mine.copy_(seen)
     stamp(m)
+
+
+def adopt_edits(named: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """``adopt_edit`` for every ``(name, parameter)``: before kept-gathered copies are released (detach)."""
+    for key, p in named:
+        adopt_edit(key, p)
 
 
 @internal
