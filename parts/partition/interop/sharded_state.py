@@ -69,7 +69,7 @@ def adopt_edit(key: str, p: nn.Parameter) -> None:
     the shard (mixed precision) raises: it would lose the shard's precision."""
     m = meta(p)
     if (m.status is not ParamStatus.AVAILABLE or is_stale(m) or m.compression is not None
-            or disk.stored(m.shard) is not None or p.data.numel() != m.numel):
+            or disk.stored(m.shard) is not None or p.data.numel() != m.numel or p.data.is_meta):
         return
     start, mine = real_shard(m, m.shard)
     seen = p.data.reshape(-1).narrow(0, start, mine.numel())
