@@ -94,10 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads (1: OpenMP spin-waits distort timings on a busy box)")
-    devices.add_device_flag(ap)
-    args = ap.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(ap, argv)
 
 
 def main() -> None:

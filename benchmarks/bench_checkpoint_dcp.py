@@ -189,10 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", default="dcp,full", help="comma-separated: dcp, full")
     parser.add_argument("--rounds", type=int, default=2, help="save+load rounds per method; the last is reported")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    devices.add_device_flag(parser)
-    args = parser.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(parser, argv)
 
 
 def main() -> None:

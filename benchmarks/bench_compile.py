@@ -98,10 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
-    devices.add_device_flag(parser)
-    args = parser.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(parser, argv)
 
 
 def main() -> None:

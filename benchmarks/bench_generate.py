@@ -161,10 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--export-mib", type=int, default=256)
     parser.add_argument("--export-bound-mib", type=int, default=32)
-    devices.add_device_flag(parser)
-    args = parser.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(parser, argv)
 
 
 def main() -> None:

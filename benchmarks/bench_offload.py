@@ -76,10 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="step the offloaded optimizer after backward, not during it (step_in_backward)")
     ap.add_argument("--within-step", action="store_true",
                     help="offloaded optimizer's pipeline within each step only (across_steps=False)")
-    devices.add_device_flag(ap)
-    args = ap.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(ap, argv)
 
 
 def raw_bandwidth(store: DiskStore, nbytes: int, active: bool) -> tuple[float, float]:

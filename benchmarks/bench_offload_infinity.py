@@ -72,10 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the systems this many times, one after the other in each round; a "
                          "system's step is its median over the rounds (each round's is reported)")
-    devices.add_device_flag(ap)
-    args = ap.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(ap, argv)
 
 
 def config_of(args: argparse.Namespace) -> GPTConfig:

@@ -43,9 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--block", type=int, default=3, help="consecutive steps of one system")
-    bench.devices.add_device_flag(ap)
-    args = ap.parse_args(argv)
-    args.device = bench.devices.resolve(args.device)
+    args = bench.devices.parse_with_device(ap, argv)
     args.after_backward = False  # bench_offload.step's default: the optimizer steps during backward
     return args
 

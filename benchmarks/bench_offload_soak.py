@@ -62,10 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--after-backward", action="store_true", help="step after backward, not during it")
     add("--store", default=tempfile.gettempdir(), help="parent directory of the per-rank stores")
     add("--no-record", action="store_true", help="print only (a trial run): nothing appended to results/")
-    devices.add_device_flag(ap)
-    args = ap.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(ap, argv)
 
 
 def sample() -> dict[str, float]:

@@ -198,10 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=4_000_000)
     ap.add_argument("--steps", type=int, default=10)
-    devices.add_device_flag(ap)
-    args = ap.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(ap, argv)
 
 
 def main() -> None:

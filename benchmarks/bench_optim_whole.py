@@ -112,10 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--n-embd", type=int, default=512, help="512: the 25.4M GPT; smaller for a smoke run")
     parser.add_argument("--n-layer", type=int, default=8)
-    devices.add_device_flag(parser)
-    args = parser.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(parser, argv)
 
 
 def main() -> None:

@@ -343,10 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
-    devices.add_device_flag(parser)
-    args = parser.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(parser, argv)
 
 
 def main() -> None:

@@ -277,10 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3,
                         help="run every system this many times, alternating; report the median")
     parser.add_argument("--no-overhead", action="store_true", help="skip the world-1 host-overhead run")
-    devices.add_device_flag(parser)
-    args = parser.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(parser, argv)
 
 
 def main() -> None:

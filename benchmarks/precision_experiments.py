@@ -137,10 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--only", default=None, help="substring of the variants to run")
-    devices.add_device_flag(ap)
-    args = ap.parse_args(argv)
-    args.device = devices.resolve(args.device)
-    return args
+    return devices.parse_with_device(ap, argv)
 
 
 def main() -> None:

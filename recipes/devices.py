@@ -23,6 +23,14 @@ def add_device_flag(parser: argparse.ArgumentParser) -> None:
                              "else cpu (gloo)")
 
 
+def parse_with_device(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser``'s flags plus ``--device``, parsed, the device resolved to cpu or cuda before any worker starts."""
+    add_device_flag(parser)
+    args = parser.parse_args(argv)
+    args.device = resolve(args.device)
+    return args
+
+
 def pick(choice: str) -> torch.device:
     """The device this rank computes on for ``--device choice`` (a CUDA one is made current)."""
     if resolve(choice) == "cpu":
