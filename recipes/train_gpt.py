@@ -262,8 +262,8 @@ def main() -> None:
                         **{"tok/s": f"{tokens_per_step * done / progress.elapsed():,.0f}"},
                         **({"RSS MiB": "/".join(f"{r:.0f}" for r in rss)} if rss else {}))
         if args.memory_every and done % args.memory_every == 0:
-            peaks = rss_per_rank(device, peak=True)
-            progress.note(f"step {step}: RSS MiB per rank {' '.join(f'{r:.1f}' for r in rss_per_rank(device))}"
+            now, peaks = rss or rss_per_rank(device), rss_per_rank(device, peak=True)
+            progress.note(f"step {step}: RSS MiB per rank {' '.join(f'{r:.1f}' for r in now)}"
                           f", peak {' '.join(f'{r:.1f}' for r in peaks)}")
         if done % args.eval_interval == 0 or done == args.steps:
             val_curve.append((step, evaluate(model, val_tokens, args, device)))
