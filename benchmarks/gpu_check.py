@@ -3,6 +3,11 @@
     bash benchmarks/gpu_check.sh                           # on a machine with one CUDA GPU
     python benchmarks/gpu_check.py --mode cpu --out DIR    # the same stages on the CPU, tiny sizes
 
+CUDA mode is the default. Where this process sees no usable CUDA GPU, the check stops at once with
+exit status 2 and names the cause (torch built without CUDA, CUDA's initialisation error, no device
+visible): a broken GPU node fails. The CPU stand-in runs only when asked for, by ``--mode cpu`` or
+``PARTS_GPU_CHECK_CPU=1``.
+
 Stages, in order (docs/gpu.md says what each shows): ``env``; ``w1`` (world-1 NCCL: sharded
 equals plain bitwise, MixedPrecision against FSDP2, checkpoint RNG replay, DCP resume, host
 syncs per phase); ``offload`` (shards and optimizer state on disk or in pinned host memory,
@@ -26,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 # name: (processes, seconds at most on a GPU)
@@ -79,6 +84,29 @@ def environment(mode: str) -> dict[str, Any]:
                     nccl=".".join(map(str, version)) if isinstance(version := torch.cuda.nccl.version(), tuple)
                     else str(version))
     return info
+
+
+def cuda_unusable() -> Optional[str]:
+    """Why this process cannot compute on a CUDA GPU, or None where it can."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable by {sys.executable}: {exc}"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA (torch.version.cuda is None)"
+    visible = f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
+    try:
+        torch.cuda.init()
+    except Exception as exc:  # noqa: BLE001 - its text is the cause
+        return f"CUDA failed to initialise ({visible}): {type(exc).__name__}: {exc}"
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return f"no CUDA device visible: torch.cuda.is_available() is False ({visible})"
+    return None
+
+
+def default_mode() -> str:
+    """``cpu`` where ``PARTS_GPU_CHECK_CPU`` asks for the CPU stand-in, else ``cuda``."""
+    return "cpu" if os.environ.get("PARTS_GPU_CHECK_CPU", "") not in ("", "0") else "cuda"
 
 
 def device_name(mode: str) -> str:
@@ -163,8 +191,9 @@ def record_row(result: dict[str, Any], out: Path, command: str) -> Path:
 def main() -> int:
     """Run the check (or, with ``--stage``, one stage in this process)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("auto", "cpu", "cuda"), default="auto",
-                    help="auto: cuda where torch sees a GPU, else cpu (tiny sizes)")
+    ap.add_argument("--mode", choices=("cpu", "cuda"), default=default_mode(),
+                    help="cuda (the default; fails where no GPU is usable) or cpu: the CPU stand-in at tiny "
+                         "sizes (also PARTS_GPU_CHECK_CPU=1)")
     ap.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="where the results go")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for all stages together")
     ap.add_argument("--only", default="", help="comma-separated stages (default: all)")
@@ -172,9 +201,6 @@ def main() -> int:
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     mode = args.mode
-    if mode == "auto":
-        import torch
-        mode = "cuda" if torch.cuda.is_available() else "cpu"
     if args.stage:
         run_stage(args.stage, mode, args.work)
         return 0
@@ -182,6 +208,10 @@ def main() -> int:
     unknown = [s for s in stages if s not in STAGES | TEST_STAGES]
     if unknown:
         raise SystemExit(f"gpu_check: unknown stage(s) {unknown}; stages: {', '.join(STAGES)}")
+    if mode == "cuda" and (cause := cuda_unusable()) is not None:
+        print(f"gpu_check: FAIL: no usable CUDA GPU: {cause}. For the CPU stand-in, pass --mode cpu "
+              "or set PARTS_GPU_CHECK_CPU=1.", file=sys.stderr)
+        return 2
     result = check(mode, stages, args.out, args.budget, 1.0 if mode == "cuda" else 3.0)
     record_row(result, args.out, "bash benchmarks/gpu_check.sh" if mode == "cuda" else
                f"python benchmarks/gpu_check.py --mode {mode}")

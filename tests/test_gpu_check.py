@@ -1,5 +1,6 @@
 """The one-GPU check (benchmarks/gpu_check.py) in its CPU mode: every stage that applies on the CPU
-passes, and the driver kills a stage that outlives its timeout and still writes its JSON."""
+passes, and the driver kills a stage that outlives its timeout and still writes its JSON. Without
+a usable GPU and without the CPU asked for, the check fails at once, naming the cause."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+import torch
 from harness import run
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -74,3 +77,42 @@ def test_driver_kills_a_hung_stage_and_records_the_run(tmp_path):
     from render_results import latest_runs, render
     text = render(latest_runs(tmp_path))
     assert "## gpu_check" in text and "- device: cpu" in text and "timed out" in text
+
+
+def _no_cpu_request() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent), PYTHON=sys.executable)
+    env.pop("PARTS_GPU_CHECK_CPU", None)
+    return env
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a usable CUDA GPU: the check runs on it")
+def test_shell_check_without_a_gpu_fails_at_once_naming_the_cause(tmp_path):
+    done = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--only", "env"], env=_no_cpu_request(),
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no usable CUDA GPU" in done.stderr and "--mode cpu" in done.stderr, done.stderr
+    cause = "built without CUDA" if torch.version.cuda is None else "CUDA"
+    assert cause in done.stderr, done.stderr
+    assert not (tmp_path / "gpu_check_out").exists()  # no stage ran
+
+
+def test_cpu_mode_is_asked_for_by_the_environment_and_cuda_is_the_default(monkeypatch):
+    import gpu_check
+    monkeypatch.delenv("PARTS_GPU_CHECK_CPU", raising=False)
+    assert gpu_check.default_mode() == "cuda"
+    monkeypatch.setenv("PARTS_GPU_CHECK_CPU", "0")
+    assert gpu_check.default_mode() == "cuda"
+    monkeypatch.setenv("PARTS_GPU_CHECK_CPU", "1")
+    assert gpu_check.default_mode() == "cpu"
+
+
+def test_cuda_init_error_text_is_the_named_cause(monkeypatch):
+    import gpu_check
+
+    def broken_init():
+        raise RuntimeError("CUDA driver initialization failed, you might not have a CUDA gpu.")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "init", broken_init)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    cause = gpu_check.cuda_unusable()
+    assert "CUDA driver initialization failed" in cause and "CUDA_VISIBLE_DEVICES=3" in cause, cause
