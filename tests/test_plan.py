@@ -336,3 +336,75 @@ def test_advice_omits_moves_worth_less_than_a_hundredth_of_the_peak() -> None:
     assert not any("persistence_threshold" in line for line in lines)
     assert "persistence_threshold=0: 0.50 GiB" in "".join(advice(dataclasses.replace(plan, persistent_bytes=GIB // 2),
                                                                  2.0))
+
+
+_L3_70B = {"vocab": 128256, "width": 8192, "kv": 1024, "inter": 28672, "layers": 80}  # Llama-3-70B
+
+
+class _Llama3Layer(nn.Module):
+    """One decoder layer's parameters: attention with grouped KV heads, a SwiGLU MLP, two RMSNorms."""
+
+    def __init__(self, width: int, kv: int, inter: int) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(width, width, bias=False), nn.Linear(width, width, bias=False)
+        self.k, self.v = nn.Linear(width, kv, bias=False), nn.Linear(width, kv, bias=False)
+        self.gate, self.up = nn.Linear(width, inter, bias=False), nn.Linear(width, inter, bias=False)
+        self.down = nn.Linear(inter, width, bias=False)
+        self.norm1, self.norm2 = nn.RMSNorm(width), nn.RMSNorm(width)
+
+
+def llama3_70b() -> nn.Module:
+    """Llama-3-70B's parameter shapes (untied embedding and head), for ``--model test_plan:llama3_70b``."""
+    c = _L3_70B
+    model = nn.Module()
+    model.embed = nn.Embedding(c["vocab"], c["width"])
+    model.layers = nn.ModuleList(_Llama3Layer(c["width"], c["kv"], c["inter"]) for _ in range(c["layers"]))
+    model.norm = nn.RMSNorm(c["width"])
+    model.head = nn.Linear(c["width"], c["vocab"], bias=False)
+    return model
+
+
+def test_cli_reference_rows_are_the_zero_papers_mixed_precision_formulas_for_a_bf16_70b(
+        capsys: pytest.CaptureFixture) -> None:
+    """Before: ZeRO-1 533.88 GiB and ZeRO-2 275.15 GiB, the fp32 formulas, under a bf16 plan."""
+    import re
+
+    from parts.plan.__main__ import main
+
+    v, h, kv, inter, layers = (_L3_70B[k] for k in ("vocab", "width", "kv", "inter", "layers"))
+    psi = 2 * v * h + layers * (2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h) + h
+    n, largest = 64, v * h  # the embedding (and the head) is DeepSpeed's largest layer
+
+    def gib(nbytes: float) -> float:
+        return round(nbytes / 2**30, 2)
+
+    assert main(["--model", "test_plan:llama3_70b", "--world-size", str(n), "--dtype", "bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    rows = {name: float(value.replace(",", "")) for name, value in
+            re.findall(r"^  (DDP|ZeRO-\d|parts \(this plan\)|DeepSpeed estimate_zero3 \(GPU, no offload\)) +"
+                       r"([\d,.]+) GiB$", out, re.M)}
+    assert f"{psi / 1e9:,.3f} B parameters" in out
+    k = 12  # mixed-precision AdamW: fp32 masters, momentum and variance
+    assert rows["ZeRO-1"] == gib(2 * psi + 2 * psi + k * psi / n) == 275.15
+    assert rows["ZeRO-2"] == gib(2 * psi + (2 + k) * psi / n) == 145.79
+    assert rows["ZeRO-3"] == gib((2 + 2 + k) * psi / n) == rows["parts (this plan)"] == 16.43
+    assert rows["DDP"] == gib((2 + 2 + k) * psi)
+    assert rows["DeepSpeed estimate_zero3 (GPU, no offload)"] == gib(18 * psi / n + 4 * largest) == 22.39
+    assert f"where ZeRO-3 has 16 (+{gib(2 * psi / n):.2f} GiB)" in out
+    assert f"largest module's {largest:,} elements (+{gib(4 * largest):.2f} GiB)" in out
+
+
+@given(psi=st.integers(1, 10**12), world=st.integers(1, 4096), dtype=st.sampled_from(["fp32", "bf16-mixed"]))
+def test_reference_rows_are_the_zero_formulas_of_the_planned_dtype(psi: int, world: int, dtype: str) -> None:
+    """fp32 AdamW: 4 + 4 + 8 bytes per parameter; bf16 mixed precision: 2 + 2 + 12 (the paper's K)."""
+    import math
+
+    from parts.plan.__main__ import _DTYPES
+    from parts.plan.report import zero_reference
+
+    p, k = (4, 8) if dtype == "fp32" else (2, 12)
+    ref = zero_reference(psi, world, _DTYPES[dtype])
+    assert ref.ddp() == (2 * p + k) * psi
+    assert ref.zero1() == 2 * p * psi + math.ceil(k * psi / world)
+    assert ref.zero2() == p * psi + math.ceil((p + k) * psi / world)
+    assert ref.zero3() == math.ceil((2 * p + k) * psi / world)

@@ -115,5 +115,6 @@ class Reference:
 
     def deepspeed_estimate(self, largest_layer: int) -> int:
         """DeepSpeed's ZeRO-3 estimate per GPU without offload (``estimate_zero3_model_states_mem_needs``,
-        ``cpu_offload=False``): ``18 Ψ / N + 4 x largest layer``, knowing nothing of knobs or traffic."""
+        ``cpu_offload=False``): ``18 Ψ / N + 4 x largest layer``, knowing nothing of knobs or traffic
+        (its ``additional_buffer_factor`` scales only its CPU estimate)."""
         return int(18 * self.params / self.world_size) + 4 * largest_layer

@@ -80,6 +80,30 @@ def _more_ranks(plan: Plan, shape: ModelShape, widths: Widths, limit: float, ran
             f"({_size(fixed + model_states_at(shape, world, widths))} per rank)")
 
 
+def zero_reference(params: int, world_size: int, widths: Widths) -> Reference:
+    """The ZeRO paper's formulas for the planned widths. Mixed precision (gathers narrower than
+    the shards): params and grads in the compute dtype, the fp32 masters in the optimizer state
+    (2, 2 and K = 12 bytes with AdamW). Otherwise all in the shard dtype (fp32 AdamW: 4, 4, 8)."""
+    mixed = widths.compute < widths.param
+    return Reference(params, world_size, param_bytes=widths.compute if mixed else widths.param,
+                     state_bytes=widths.state + (widths.param if mixed else 0))
+
+
+def _references(plan: Plan, shape: ModelShape, widths: Widths, out: TextIO) -> None:
+    """The reference rows: the ZeRO paper's formulas for the planned widths, and DeepSpeed's estimate."""
+    ref, largest = zero_reference(plan.params, plan.world_size, widths), shape.largest_module()
+    print(f"\nmodel states per rank, for reference (ZeRO paper formulas at {ref.param_bytes} + {ref.param_bytes} + "
+          f"{ref.state_bytes} bytes per parameter; DeepSpeed's estimate)", file=out)
+    for name, nbytes in (("DDP", ref.ddp()), ("ZeRO-1", ref.zero1()), ("ZeRO-2", ref.zero2()),
+                         ("ZeRO-3", ref.zero3()), ("parts (this plan)", plan.model_state_bytes),
+                         ("DeepSpeed estimate_zero3 (GPU, no offload)", ref.deepspeed_estimate(largest))):
+        print(f"  {name:<44} {_gib(nbytes):>14}", file=out)
+    per_param, extra = 2 * ref.param_bytes + ref.state_bytes, ref.deepspeed_estimate(0) - ref.zero3()
+    print(f"  DeepSpeed: 18 bytes per parameter / N where ZeRO-3 has {per_param} (+{_gib(extra)}), plus 4 bytes x "
+          f"the largest module's {largest:,} elements (+{_gib(4 * largest)}); its 1.5 buffer factor is for CPU "
+          f"memory only", file=out)
+
+
 def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, limit: Optional[float],
            *, title: str, out: TextIO) -> bool:
     """Print the table for ``plan``; True if it fits ``limit`` GiB per rank (or no limit given)."""
@@ -94,13 +118,7 @@ def report(plan: Plan, shape: ModelShape, ranks_per_node: int, widths: Widths, l
     print(f"\n{'traffic per rank and step':<30} {'inside node':>12} {'between nodes':>14}", file=out)
     for what, inside, between in traffic_rows(plan, k):
         print(f"  {what:<28} {_gb(inside):>12} {_gb(between):>14}", file=out)
-    ref = Reference(plan.params, w, param_bytes=widths.param, state_bytes=widths.state)
-    print("\nmodel states per rank, for reference (ZeRO paper formulas; DeepSpeed's estimate)", file=out)
-    for name, nbytes in (("DDP", ref.ddp()), ("ZeRO-1", ref.zero1()), ("ZeRO-2", ref.zero2()),
-                         ("ZeRO-3", ref.zero3()), ("parts (this plan)", plan.model_state_bytes),
-                         ("DeepSpeed estimate_zero3 (GPU, no offload)",
-                          ref.deepspeed_estimate(shape.largest_module()))):
-        print(f"  {name:<44} {_gib(nbytes):>14}", file=out)
+    _references(plan, shape, widths, out)
     lines = advice(plan, limit, shape, widths, max(1, ranks_per_node))
     for line in lines:
         print(("\n" if line is lines[0] else "") + line, file=out)
