@@ -64,6 +64,7 @@ def test_two_ranks_on_one_device_equal_one_process():
         assert nccl["status"] == "PASS" or "not available" in nccl["detail"], checks
 
 
+@pytest.mark.slow
 def test_driver_kills_a_hung_stage_and_records_the_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
     done = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--mode", "cpu", "--only", "env,hang",

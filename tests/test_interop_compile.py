@@ -67,6 +67,7 @@ def _compile_case_body() -> dict:
                 params=params, counters=dynamo_counters())
 
 
+@pytest.mark.slow
 def test_compiled_blocks_one_graph_each_and_match_eager():
     # inductor fuses and reorders fp32 math (layer norm, gelu, softmax): losses and params agree
     # with the eager parts run and plain PyTorch to 1e-5, not bitwise
@@ -154,6 +155,7 @@ def _assert_matches_eager(out: dict, hows: list) -> None:
             torch.testing.assert_close(state[key], eager_state[key], rtol=1e-5, atol=1e-5, msg=key)
 
 
+@pytest.mark.slow
 def test_torch_compile_and_module_compile_of_attached_llama_match_eager():
     # default knobs (every weight of the tiny model persistent): the coordinator's hooks run
     # eagerly, each fetch unit's forward and backward compiled with aot_eager (eager's kernels)

@@ -35,6 +35,7 @@ def _launch() -> list:
     return json.loads(line[len("compare "):])
 
 
+@pytest.mark.slow
 def test_trainer_on_parts_equals_ddp_trainer() -> None:
     clipped, unclipped = _launch()
     for run in (clipped, unclipped):

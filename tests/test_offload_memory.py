@@ -22,6 +22,7 @@ def test_bound_adds_the_terms():
     assert memory_bound(b, activations=11) == 60 + 16 + 480 + 75 + 24 + (16 + 480 + 24) // 16 + 11
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["after-backward", "in-backward"])
 def test_peak_rss_growth_under_bound(tmp_path, mode):
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -57,6 +58,7 @@ def _per_layer(out: str) -> dict[int, tuple[float, list[tuple[int, int]]]]:
     return {w: ((r[1][1] - r[0][1]) / (r[1][0] - r[0][0]), [(g, b) for _, g, b in r]) for w, r in runs.items()}
 
 
+@pytest.mark.slow
 def test_offloaded_growth_per_layer_is_a_quarter_of_in_memory_at_every_width(tmp_path):
     jobs = {mode: _sweep(tmp_path / mode, mode) for mode in ("offload", "memory")}  # side by side
     outs = {}

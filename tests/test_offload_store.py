@@ -195,6 +195,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_real_file_size_limit_and_cleanup_at_exit(tmp_path):
     """A real write limit (RLIMIT_FSIZE, EFBIG) gives DiskFullError; exit removes the scratch files."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())

@@ -337,6 +337,7 @@ def launched(request, tmp_path_factory):
         run.kill()
 
 
+@pytest.mark.slow
 def test_train_gpt_resumes_at_another_world_size(launched, tmp_path) -> None:
     """The world-2 DCP checkpoint of the train_gpt case continues at world 3 from step 6 (numpy
     unimportable in both runs, as in a fresh venv: DCP's plans go through parts.comm).

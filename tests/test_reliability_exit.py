@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHES = [(2, "both"), (3, "both"), (2, "exit")]  # side by side; a launch costs ~3 s of CPU per process
 
@@ -34,6 +36,7 @@ def launch(world: int, mode: str) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_gloo_threads_end_at_destroy_process_group_and_every_run_exits_0() -> None:
     """Before (keep): 'gloo threads after destroy_process_group: [gloo_tcp_loop, pt_gloo_runloop,
     ...]' and exit 3 on every rank (and, at random, SIGABRT at interpreter exit). Before (exit):

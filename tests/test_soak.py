@@ -34,6 +34,7 @@ import gc
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from harness import run
@@ -125,6 +126,7 @@ def body_soak(steps: int) -> dict:
             "last_stats": previous}
 
 
+@pytest.mark.slow
 def test_soak_500_steps_no_leak() -> None:
     results = run(2, body_soak, STEPS, timeout=120)
     for rank, result in enumerate(results):
