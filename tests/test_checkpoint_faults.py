@@ -220,17 +220,38 @@ def test_a_renamed_module_names_missing_and_unexpected_keys_unless_not_strict(tm
         assert rank["common_equal"] and rank["renamed_kept"]
 
 
+@contextlib.contextmanager
+def _killed_at_second_move_out_of(path: str):
+    """Rank 0's save stops when it moves a second file out of ``path``, as a killed process
+    would: no clean-up runs."""
+    import parts.comm.dcp_files as files
+    real = (files.os.rename, files._recover, files.abandon)
+    moves = [0]
+
+    def rename(src, dst):
+        if Path(src).parent == Path(path):
+            moves[0] += 1
+            if moves[0] > 1:
+                raise OSError("killed")
+        return real[0](src, dst)
+    files.os.rename, files._recover, files.abandon = rename, (lambda target: None), (lambda staging: None)
+    try:
+        yield
+    finally:
+        files.os.rename, files._recover, files.abandon = real
+
+
 def load_after_a_save_killed_between_renames(path: str) -> dict:
     import torch.distributed as dist
     model = _model()
     _save(model, path)
     saved = _full(model)
+    _perturb(model)
+    with _killed_at_second_move_out_of(path) if dist.get_rank() == 0 else contextlib.nullcontext():
+        with contextlib.suppress(Exception):
+            _save(model, path)
     dist.barrier()
-    if dist.get_rank() == 0:  # what a save killed after moving the old checkpoint aside leaves
-        os.rename(path, path + ".old")
-        os.makedirs(path + ".saving")
-        (Path(path + ".saving") / "__0_0.distcp").write_bytes(b"half")
-    dist.barrier()
+    assert os.path.isdir(path + ".old"), "the save was not interrupted in its swap"
     fresh = _model()
     _perturb(fresh)
     _load(fresh, path)

@@ -13,7 +13,8 @@ Into a directory (``checkpoint_id``, or a ``FileSystemWriter``'s path) a save is
 transaction (``parts.comm.dcp_files``): written into ``<path>.saving``, every file fsynced
 and listed with its size and SHA-256 in ``parts_manifest.json``, checked, then moved into
 place; the previous checkpoint's files at ``path`` are removed only then, so a failed save (a
-full disk) leaves it intact, and no other file of ``path`` is touched. A load checks each
+full disk) leaves it intact, and no other file of ``path`` is touched, nor a folder beside it
+that the save did not make (a user's ``<path>.old`` backup). A load checks each
 file it reads against the manifest, reads ``.metadata`` without running code from it, and
 (``strict``, the default) refuses a state dict whose keys differ from the checkpoint's, naming
 the missing and unexpected keys.
