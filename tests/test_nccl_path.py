@@ -4,8 +4,8 @@ place of parts' gloo algorithms (``parts.comm.torch_algorithms``), against the r
 * the switch reaches the collectives: under it no send/recv is issued and torch's flat
   collectives carry the gathers and reduce-scatters; outside it, gloo's algorithms run;
 * training a small GPT at world 2 and 3 equals unsharded training on the concatenated batch
-  (within the rounding of a different summation order), and equals the gloo path bitwise where the sums are
-  the same (world 2: two terms; MixedPrecision: bf16 grads widened exactly to fp32);
+  (within the rounding of a different summation order); it equals the gloo path bitwise at world 2,
+  where each grad is a sum of two terms, and within the rounding of another summation order at world 3;
 * offload with a step during backward equals in-memory training bitwise on that path.
 """
 
@@ -79,9 +79,21 @@ def test_nccl_path_training_equals_the_reference(world, mixed):
             assert out["losses"] == pytest.approx(out["ref_losses"], rel=1e-6)
             for a, b in zip(out["ref"], out["got"]):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=5e-6)
-        if mixed or world == 2:  # the same sums as the gloo path, so the same bits
+        if world == 2:  # a sum of two terms rounds once in either order: the gloo path's bits
             assert out["losses"] == on_gloo["losses"]
             assert all(torch.equal(a, b) for a, b in zip(out["got"], on_gloo["got"]))
+        else:
+            # Three terms: gloo's reduce-scatter adds them in another order than parts' exchange
+            # (rank order). An fp32 sum of three terms is exact only when their exponents are close
+            # (for bf16 grads widened to fp32, within 14 of each other guarantees it); elsewhere the
+            # two orders round that grad element differently. Which elements those are depends on
+            # the grads' bits, and so on the CPU's matmul kernels (ISA, blocking, threads). The paths
+            # then differ by one fp32 rounding of some grads per step, which AdamW carries into the
+            # weights as in the fp32 comparison with the reference above, whose bounds apply here.
+            # Measured after 4 steps: 2.4e-7 (fp32), 0 to 1.5e-8 (MixedPrecision, by seed).
+            assert out["losses"] == pytest.approx(on_gloo["losses"], rel=1e-6)
+            for a, b in zip(on_gloo["got"], out["got"]):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=5e-6)
 
 
 def _offload_on_nccl_path(tmp: str) -> dict:
