@@ -65,9 +65,10 @@ class CheckpointIndex:
         metadata = files.read_metadata(self.directory)
         self.tensors: dict[str, StoredTensor] = {}
         self.skipped: list[str] = []  # non-tensor entries (bytes, objects): no place in safetensors
+        where = _tensor_storage(metadata.storage_data)
         for key, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
-                self.tensors[key] = _stored(self.directory, key, entry, metadata.storage_data)
+                self.tensors[key] = _stored(self.directory, key, entry, where)
             else:
                 self.skipped.append(key)
         self._verified: set[str] = set()
@@ -98,9 +99,14 @@ class CheckpointIndex:
         return tensor
 
 
-def _stored(directory: Path, key: str, entry: TensorStorageMetadata, storage: dict) -> StoredTensor:
-    """``key``'s pieces, each located in the storage data (DCP indexes them by key and offsets)."""
-    where = {(index.fqn, tuple(index.offset)): info for index, info in storage.items()}
+def _tensor_storage(storage: dict) -> dict:
+    """The storage data of the tensor pieces, by (key, offsets): DCP indexes a piece so, and a
+    bytes or object entry (an optimizer's hyperparameters, an extra state) with no offsets."""
+    return {(index.fqn, tuple(index.offset)): info for index, info in storage.items() if index.offset is not None}
+
+
+def _stored(directory: Path, key: str, entry: TensorStorageMetadata, where: dict) -> StoredTensor:
+    """``key``'s pieces, each located in the tensor storage data ``where`` (by key and offsets)."""
     pieces = []
     for chunk in entry.chunks:
         info = where.get((key, tuple(chunk.offsets)))

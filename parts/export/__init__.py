@@ -1,14 +1,20 @@
 """parts.export: a sharded DCP checkpoint to Hugging Face safetensors files, streamed, all or nothing.
 
     python -m parts.export CHECKPOINT_DIR OUT_DIR [--max-shard-size 5GB] [--dtype bfloat16] [--merge]
+                                                  [--prefix KEY] [--config CONFIG_JSON]
 
 ``export(checkpoint_dir, out_dir)`` reads a checkpoint written by ``parts.comm.dcp.save`` of
 ``sharded_state_dict(model)``, by ``torch.distributed.checkpoint.save`` or by FSDP2, at any world
 size and however its tensors were split (or the one model checkpoint inside a parts Trainer's
 ``checkpoint-N/`` or an accelerate ``save_state`` folder), and writes ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_size`` bytes each and
-``model.safetensors.index.json``), keyed by the checkpoint's keys, which ``from_pretrained``
-and ``parts.partition.load_pretrained`` read. One process, no process group: each stored piece
+``model.safetensors.index.json``), keyed by the model's keys, which ``from_pretrained``
+and ``parts.partition.load_pretrained`` read. The checkpoint may hold more than the model: an
+optimizer's state and non-tensor entries are left out, and a model saved under one top-level key
+(``dcp.save({"model": ..., "optimizer": ...})``) is written without it (``parts.export.select``).
+Where a ``config.json`` is found (or given), the keys are checked against its architecture's
+before anything is written, and a mismatch is refused, naming ``prefix``
+(``parts.export.architecture``). One process, no process group: each stored piece
 (one rank's box of one tensor) is read, cast to ``dtype`` and written at its place in the
 output file, then dropped, so the bytes held are those of the largest stored piece (about three
 times it: the file's bytes, the loaded piece, its cast), whatever the model's size.
@@ -34,7 +40,8 @@ from typing import Callable, Optional, Union
 import torch
 
 from parts.comm.dcp_read import CheckpointIndex, StoredTensor
-from parts.export import peft
+from parts.export import peft, select
+from parts.export.architecture import Architecture, load
 from parts.export.output import Staging, locate, refuse_into_checkpoint
 from parts.export.safetensors import SafetensorsFile, plan_files
 
@@ -50,8 +57,9 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 class ExportResult:
     """What ``export`` wrote: the safetensors files, the index (None for one file), copied configs,
     tensors written, their bytes, the checkpoint's non-tensor keys left out, what it wrote
-    (``model``, a peft ``adapter``, a ``merged`` model), the DCP checkpoint it read, and the
-    earlier export's weight files it removed from the output folder."""
+    (``model``, a peft ``adapter``, a ``merged`` model), the DCP checkpoint it read, the
+    earlier export's weight files it removed from the output folder, the prefix removed from the
+    keys, the checkpoint's top-level entries left out, and what the keys were checked against."""
 
     files: list[Path]
     index: Optional[Path]
@@ -62,6 +70,9 @@ class ExportResult:
     kind: str = "model"
     checkpoint: Optional[Path] = None
     removed: list[Path] = dataclasses.field(default_factory=list)
+    prefix: str = ""
+    left_out: list[str] = dataclasses.field(default_factory=list)
+    checked: str = ""
 
 
 def parse_size(size: Union[int, str]) -> int:
@@ -91,19 +102,27 @@ def _names(count: int) -> list[str]:
 
 def export(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike], *,
            max_shard_size: Union[int, str] = "5GB", dtype: Optional[torch.dtype] = None,
-           prefix: str = "", merge: bool = False) -> ExportResult:
+           prefix: Optional[str] = None, merge: bool = False,
+           config: Union[str, os.PathLike, None] = None) -> ExportResult:
     """Stream the DCP checkpoint at ``checkpoint_dir`` into safetensors files in ``out_dir``, all or nothing.
 
     ``checkpoint_dir`` may be a Trainer or accelerate checkpoint folder holding the model's DCP
     checkpoint. ``prefix``: export only the keys under it, without it (``"model"`` for a
-    checkpoint saved as ``dcp.save({"model": state_dict})``). A peft LoRA model is exported as its
+    checkpoint saved as ``dcp.save({"model": state_dict})``; ``""``: the keys as they are; None: the
+    one top-level key holding the model's tensors, where there is one, else the keys as they are).
+    ``config``: a ``config.json`` (or a folder holding one) to check the keys against and copy,
+    in place of the one beside the checkpoint. A peft LoRA model is exported as its
     adapter (``adapter_model.safetensors``, ``adapter_config.json``), or with ``merge`` as the
     plain model with the adapter merged."""
     given = Path(checkpoint_dir)
     checkpoint = locate(given)
     refuse_into_checkpoint(Path(out_dir), given, checkpoint)
     index = CheckpointIndex(checkpoint)
-    items, kind, extra = _items(index, _selected(index, prefix), dtype, merge, [checkpoint, given, checkpoint.parent])
+    folders = [checkpoint, given, checkpoint.parent]
+    config_file = _config_file(config, folders)
+    architecture = load(config_file) if config_file else f"no config.json in {checkpoint} or beside it (--config)"
+    chosen, items, kind, extra = _choose(index, prefix, architecture,
+                                         functools.partial(_items, index, dtype=dtype, merge=merge, folders=folders))
     plans = plan_files(((i.key, i.shape, i.dtype) for i in items),
                        parse_size(max_shard_size) if kind != "adapter" else sum(_nbytes(i) for i in items) + 1)
     names = [peft.ADAPTER_WEIGHTS] if kind == "adapter" else _names(len(plans))
@@ -116,7 +135,7 @@ def export(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathL
         if len(plans) > 1:
             _write_index(staging.dir, weight_map, total)
         configs = [shutil.copyfile(path, staging.dir / path.name) for path in extra] if kind == "adapter" \
-            else _copy_configs([checkpoint, given, checkpoint.parent], staging.dir)
+            else _copy_configs(config_file, folders, staging.dir)
         removed = staging.commit()
     except BaseException:
         staging.abandon()
@@ -124,7 +143,71 @@ def export(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathL
     out = staging.out
     return ExportResult([out / n for n in names], out / INDEX if len(plans) > 1 else None,
                         [out / Path(c).name for c in configs], len(items), total, list(index.skipped),
-                        kind, checkpoint, removed)
+                        kind, checkpoint, removed, chosen.prefix, chosen.left_out,
+                        _checked(architecture, kind))
+
+
+def _config_file(config: Union[str, os.PathLike, None], folders: list[Path]) -> Optional[Path]:
+    """The ``config.json`` given (a file, or a folder holding one), else the first beside the checkpoint."""
+    if config is not None:
+        path = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
+        if not path.is_file():
+            raise FileNotFoundError(f"export: config {config} is not a config.json nor a folder holding one")
+        return path
+    return next((f / "config.json" for f in folders if (f / "config.json").is_file()), None)
+
+
+def _checked(architecture: Union[Architecture, str], kind: str) -> str:
+    if kind == "adapter":
+        return "keys not checked: a peft adapter, in peft's layout"
+    if isinstance(architecture, str):
+        return f"keys not checked: {architecture}"
+    return f"keys checked against {architecture.name} of {architecture.config}"
+
+
+def _attempt(option: select.Selection, architecture: Union[Architecture, str], items_of: Callable,
+             first: bool) -> Optional[tuple[list, str, list[Path], Optional[tuple]]]:
+    """``option``'s items, kind, extra files and mismatch (None: loads, or not checked); None where
+    an option other than the ``first`` cannot be exported."""
+    try:
+        items, kind, extra = items_of(option.tensors)
+    except (ValueError, FileNotFoundError):
+        if first:
+            raise
+        return None
+    checked = kind != "adapter" and isinstance(architecture, Architecture)
+    return items, kind, extra, architecture.mismatch(i.key for i in items) if checked else None
+
+
+def _choose(index: CheckpointIndex, prefix: Optional[str], architecture: Union[Architecture, str],
+            items_of: Callable) -> tuple[select.Selection, list, str, list[Path]]:
+    """The first way to read the checkpoint whose keys ``architecture`` loads (the first where not
+    checked): its selection, items, kind and extra files; else a refusal naming ``--prefix``."""
+    options = select.candidates(index, prefix)
+    tried = _attempt(options[0], architecture, items_of, True)
+    for n, option in enumerate(options):
+        found = tried if n == 0 else _attempt(option, architecture, items_of, False)
+        if found is not None and found[3] is None:
+            return option, *found[:3]
+    defaults = select.candidates(index, None) if prefix is not None else []
+    fitting = [o.prefix for o in defaults if (f := _attempt(o, architecture, items_of, False)) and f[3] is None]
+    raise _refusal(index, architecture, options[0], tried[3], fitting)
+
+
+def _refusal(index: CheckpointIndex, architecture: Architecture, option: select.Selection,
+             found: tuple[list[str], list[str]], fitting: list[str]) -> ValueError:
+    """The error naming ``--prefix`` for keys that ``architecture`` does not load."""
+    missing, foreign = found
+    entries = sorted({k.split(".", 1)[0] for k in [*index.tensors, *index.skipped]})
+    without = f" (without the prefix {option.prefix!r})" if option.prefix else ""
+    return ValueError(
+        f"export: the keys of checkpoint {index.directory}{without} are not those of {architecture.name} "
+        f"({architecture.config}): {len(missing)} of its weights are missing (e.g. {missing[:3]}) and "
+        f"{len(foreign)} keys are not its own (e.g. {foreign[:3]}); from_pretrained would initialise the "
+        f"missing weights afresh. " + (f"--prefix {fitting[0]!r} (prefix=) exports keys it loads" if fitting else
+        f"Name the top-level key that holds the model with --prefix (prefix=): the checkpoint's are "
+        f"{entries[:8]}; --prefix '' keeps the keys as they are; or pass the model's own config.json "
+        f"with --config"))
 
 
 @dataclass(frozen=True)
@@ -143,7 +226,7 @@ def _nbytes(item: _Item) -> int:
     return math.prod(item.shape) * item.dtype.itemsize
 
 
-def _items(index: CheckpointIndex, tensors: list[StoredTensor], dtype: Optional[torch.dtype], merge: bool,
+def _items(index: CheckpointIndex, tensors: list[StoredTensor], *, dtype: Optional[torch.dtype], merge: bool,
            folders: list[Path]) -> tuple[list[_Item], str, list[Path]]:
     """The output's tensors, its kind (``model``, ``adapter``, ``merged``) and extra files to copy."""
     by_key = {t.key: t for t in tensors}
@@ -186,18 +269,6 @@ def _write_files(folder: Path, names: list[str], plans: list, items: dict[str, _
             target.close()
 
 
-def _selected(index: CheckpointIndex, prefix: str) -> list[StoredTensor]:
-    """The checkpoint's tensors under ``prefix``, renamed without it."""
-    if not prefix:
-        return list(index)
-    head = prefix.rstrip(".") + "."
-    chosen = [dataclasses.replace(t, key=t.key[len(head):]) for t in index if t.key.startswith(head)]
-    if not chosen:
-        raise ValueError(f"export: no tensor of checkpoint {index.directory} is under prefix {prefix!r} "
-                         f"(its keys begin {sorted(index.tensors)[:3]})")
-    return chosen
-
-
 def _copy(index: CheckpointIndex, item: _Item, dtype: torch.dtype, target: SafetensorsFile) -> None:
     """Every piece of ``item``, read, cast and written at its place, one at a time (or its whole
     computed value)."""
@@ -217,10 +288,10 @@ def _write_index(out: Path, weight_map: dict[str, str], total: int) -> Path:
     return path
 
 
-def _copy_configs(folders: list[Path], out: Path) -> list[Path]:
-    """The configs found in the first of ``folders`` holding each, copied into ``out``."""
-    copied = []
-    for name in CONFIG_FILES:
+def _copy_configs(config: Optional[Path], folders: list[Path], out: Path) -> list[Path]:
+    """``config`` as ``config.json``, then each config not yet copied from the first of ``folders`` holding it."""
+    copied = [Path(shutil.copyfile(config, out / CONFIG_FILES[0]))] if config else []
+    for name in CONFIG_FILES[len(copied):]:
         for folder in folders:
             if (folder / name).is_file():
                 copied.append(Path(shutil.copyfile(folder / name, out / name)))

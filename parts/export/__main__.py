@@ -23,18 +23,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                         help="cast floating tensors to this dtype (default: as stored)")
-    parser.add_argument("--prefix", default="", help='export only the keys under this prefix, without it '
-                        '("model" for dcp.save({"model": state_dict}))')
+    parser.add_argument("--prefix", default=None, help='export only the keys under this top-level key, without it '
+                        '("model" for dcp.save({"model": state_dict, "optimizer": ...}); "" keeps the keys as '
+                        'they are; default: the one top-level key holding the model, where there is one)')
+    parser.add_argument("--config", default=None, help="a config.json (or a folder holding one) to check the "
+                        "keys against and copy (default: the config.json beside the checkpoint)")
     parser.add_argument("--merge", action="store_true", help="a peft LoRA checkpoint: write the base model "
                         "with the adapter merged (default: the adapter in peft's layout)")
     args = parser.parse_args(argv)
     result = export(args.checkpoint_dir, args.out_dir, max_shard_size=args.max_shard_size,
-                    dtype=_DTYPES[args.dtype] if args.dtype else None, prefix=args.prefix, merge=args.merge)
+                    dtype=_DTYPES[args.dtype] if args.dtype else None, prefix=args.prefix, merge=args.merge,
+                    config=args.config)
     what = {"adapter": "the peft adapter: ", "merged": "the model with its LoRA adapter merged: "}.get(result.kind, "")
-    print(f"read {result.checkpoint}; wrote {what}{result.tensors} tensors ({result.total_bytes} bytes) into "
-          f"{len(result.files)} file(s) in {args.out_dir}"
+    left = [k for k in result.skipped if k.split(".", 1)[0] not in result.left_out]
+    print(f"read {result.checkpoint}"
+          + (f"; exported the model under {result.prefix!r} (its keys without '{result.prefix}.'; --prefix)"
+             if result.prefix else "")
+          + f"; wrote {what}{result.tensors} tensors ({result.total_bytes} bytes) into "
+          f"{len(result.files)} file(s) in {args.out_dir}; {result.checked}"
           + (f"; removed the earlier export's {[p.name for p in result.removed]}" if result.removed else "")
-          + (f"; left out non-tensor keys {result.skipped}" if result.skipped else ""))
+          + (f"; left out the checkpoint's entries {result.left_out}" if result.left_out else "")
+          + (f"; left out non-tensor keys {left}" if left else ""))
     return 0
 
 
