@@ -36,7 +36,7 @@ def train(path: str, kind: str, resume: bool) -> list[float]:
         for i, o in enumerate(opts):
             load_sharded_optimizer_state_dict(model, o, state[f"optim{i}"])
         start = state["step"]
-        held = sum(len(state[f"optim{i}"]["state"]) for i in range(len(opts)))
+        held = sum(sum(1 for entry in o.state.values() if entry) for o in opts)  # state installed here
     losses = []
     for step in range(start, STEPS):
         x = torch.randn(12, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)

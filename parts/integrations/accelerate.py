@@ -54,9 +54,9 @@ from torch import nn
 
 from parts.integrations.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
                                            save_sharded_optimizer)
-from parts.partition import (MixedPrecision, attach, clip_grad_norm_, full_state_dict, is_partitioned, meta,
-                             use_shards)
+from parts.partition import MixedPrecision, attach, clip_grad_norm_, full_state_dict, is_partitioned, use_shards
 from parts.partition.coordinator import FetchCoordinator, attached_to
+from parts.partition.interop.sharded_optim import steps_model
 
 __all__ = ["Accelerator", "PartsAcceleratorMixin", "adopt", "prepare", "attach_for", "attach_with",
            "mixed_precision_of", "mixed_precision_policy", "is_parts_model"]
@@ -257,9 +257,8 @@ class _ShardedAcceleratedOptimizer(AcceleratedOptimizer):
 
 
 def _optimizers_of(model: nn.Module, optimizers: list) -> list:
-    """Those of ``optimizers`` that step shards of ``model``."""
-    mine = {id(meta(p).shard) for p in model.parameters() if is_partitioned(p)}
-    return [o for o in optimizers if any(id(p) in mine for group in o.param_groups for p in group["params"])]
+    """Those of ``optimizers`` that step shards of ``model`` (or full tensors standing for them)."""
+    return [o for o in optimizers if steps_model(model, o)]
 
 
 class Accelerator(PartsAcceleratorMixin, accelerate.Accelerator):

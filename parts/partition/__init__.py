@@ -6,7 +6,8 @@ and out, ``reduce_scatter_grads`` turns full grads into fp32 grad shards, ``shar
 the shards to any torch optimizer, ``full_state_dict``/``load_full_state_dict`` move
 consolidated weights; ``sharded_state_dict``/``sharded_optimizer_state_dict`` (and their
 ``load_`` twins) are per-rank views for ``torch.distributed.checkpoint``, at any world size;
-``full_optimizer_state_dict`` is the optimizer's state at full parameter shapes.
+``full_optimizer_state_dict`` is the optimizer's state at full parameter shapes
+(``load_full_optimizer_state_dict`` loads it back, at any world size).
 
 Layers: ``core`` (records, gather, grads, sharding, state dicts), ``construction``
 (``partitioned``, ``partition_module``) and ``coordinator`` (``attach``), on ``parts.comm``
@@ -42,7 +43,7 @@ from parts.partition.core.state_dict import full_state_dict, load_full_state_dic
 from parts.partition.interop import (clip_grad_norm_, grad_norm, load_pretrained, num_parameters,
                                      resize_token_embeddings)
 from parts.partition.coordinator.compiled import compile_blocks, uncompile_blocks
-from parts.partition.interop.full_optim import full_optimizer_state_dict
+from parts.partition.interop.full_optim import full_optimizer_state_dict, load_full_optimizer_state_dict
 from parts.partition.interop.sharded_optim import (load_sharded_optimizer_state_dict,
                                                    sharded_optimizer_state_dict)
 from parts.partition.interop.sharded_state import load_sharded_state_dict, sharded_state_dict
@@ -61,6 +62,7 @@ __all__ = [
     "full_state_dict", "load_full_state_dict",
     "sharded_state_dict", "load_sharded_state_dict",
     "sharded_optimizer_state_dict", "load_sharded_optimizer_state_dict", "full_optimizer_state_dict",
+    "load_full_optimizer_state_dict",
     "CommCounter", "comm_counter",
     "FetchCoordinator", "attach", "detach", "register_external_parameter", "refresh", "set_replica_sync",
     "no_sync",

@@ -10,20 +10,28 @@ its owner, scalars and the state of unsharded parameters are taken as they are. 
 part; with ``rank0_only`` only rank 0 keeps the result (``{}`` elsewhere). For inspection, export
 and tests: a resumable checkpoint at any world size is ``sharded_optimizer_state_dict`` with DCP,
 which never holds a whole state tensor on one rank.
+
+``load_full_optimizer_state_dict(model, optimizer, state)`` is the way back, at any world size
+and into a fresh optimizer: rank 0's ``state`` (of the parameters' shard group: where
+``full_optimizer_state_dict`` leaves it; other ranks pass ``None``) is sent one state tensor at
+a time (a broadcast), each rank keeps its part of it in the views of
+``sharded_optimizer_state_dict`` (its real shard elements; the whole tensor on the owner of a
+whole-path parameter) and installs them with ``load_sharded_optimizer_state_dict``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
-from parts.comm import GroupInfo, all_gather, broadcast_object, resolve_group, to_comm, to_host
-from parts.comm.shard_view import ShardView
+from parts.comm import (GroupInfo, all_gather, broadcast, broadcast_object, comm_device, resolve_group, to_comm,
+                        to_host)
+from parts.comm.shard_view import ShardView, is_deferred
 from parts.offload.lease import Stored
 from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
-from parts.partition.interop.sharded_optim import sharded_optimizer_state_dict
+from parts.partition.interop.sharded_optim import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
 from parts.partition.whole import stepper_of
 
 
@@ -47,9 +55,16 @@ def _full_tensor(m: ParamMeta, holder: Any) -> torch.Tensor:
 
 def _owned_entry(m: ParamMeta, owner: int, entry: Any) -> Any:
     """The whole-tensor state of ``m`` from its owner (group rank ``owner``) on every rank (None: none yet)."""
-    mine = {k: to_host(v.detach()) if torch.is_tensor(v) else v for k, v in entry.items()} if entry else None
+    mine = None
+    if entry and m.info.rank == owner:  # the owner's views hold its state tensors whole
+        mine = {k: to_host(_held(v).detach()) if torch.is_tensor(v) else v for k, v in entry.items()}
     sent = mine if m.info.world_size == 1 else broadcast_object(mine, owner, m.info.group)
     return None if sent is None else {k: v.to(m.shard.device) if torch.is_tensor(v) else v for k, v in sent.items()}
+
+
+def _held(value: Any) -> Any:
+    """The tensor a ShardView made by ``sharded_optimizer_state_dict`` stands for (else ``value``)."""
+    return value.holder if isinstance(value, ShardView) else value
 
 
 def _full_entry(m: ParamMeta, fqn: str, entry: dict) -> dict:
@@ -91,3 +106,63 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 def _info(records: dict[str, ParamMeta]) -> GroupInfo:
     """The shard group whose rank 0 keeps a ``rank0_only`` result (the world's if nothing is sharded)."""
     return next(iter(records.values())).info if records else resolve_group(None, "full_optimizer_state_dict")
+
+
+_WHAT = "load_full_optimizer_state_dict"
+
+
+def _layout(state: Any, template: dict) -> tuple[Optional[str], dict, list]:
+    """On the sending rank: (what is wrong or None, FQN -> key -> tensor spec or value, param groups)."""
+    if not isinstance(state, Mapping) or not isinstance(state.get("state"), Mapping) \
+            or not isinstance(state.get("param_groups"), (list, tuple)):
+        return (f"{_WHAT}: state must be full_optimizer_state_dict's layout, {{'state': {{fqn: {{key: value}}}}, "
+                f"'param_groups': [...]}}, on rank 0; got {type(state).__name__}"
+                + (f" with keys {sorted(map(str, state))}" if isinstance(state, Mapping) else "")), {}, []
+    unknown = sorted(set(state["state"]) - set(template["state"]))
+    wrong = sorted(f"{fqn}.{k}" for fqn, entry in state["state"].items() if fqn in template["state"]
+                   for k in set(entry) ^ set(template["state"][fqn]))
+    if unknown or wrong:
+        return (f"{_WHAT}: the state does not fit the optimizer: state for parameters it does not step "
+                f"{unknown}; state keys only one of the saved state and the optimizer's has: {wrong}"), {}, []
+    specs = {fqn: {k: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() >= 1 else ("value", v)
+                   for k, v in entry.items()} for fqn, entry in state["state"].items()}
+    return None, specs, [dict(g) for g in state["param_groups"]]
+
+
+def _fill(target: Any, full: torch.Tensor) -> Any:
+    """``target`` (a view of this rank's part, or a whole value) holding ``full``'s elements."""
+    if not isinstance(target, ShardView):
+        like = target if torch.is_tensor(target) else full
+        return full.to(like.device, like.dtype, copy=True)
+    flat = full.reshape(-1)
+    for start, piece in target.segments:
+        held = piece.materialize() if is_deferred(piece) else piece
+        held.copy_(flat[start:start + held.numel()].to(held.device, held.dtype))
+        if is_deferred(piece):
+            piece.settle()
+    return target
+
+
+@internal
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                                   state: Optional[Mapping[str, Any]]) -> None:
+    """Load rank 0's full optimizer ``state`` (``full_optimizer_state_dict``'s layout) into ``optimizer``
+    over ``shards(model)``, at any world size (a collective; other ranks may pass ``None``)."""
+    template = sharded_optimizer_state_dict(model, optimizer)  # views of this rank's parts (state made if none)
+    info = _info(_records(model))
+    error, specs, groups = broadcast_object(_layout(state, template) if info.rank == 0 else None, 0, info.group) \
+        if info.world_size > 1 else _layout(state, template)
+    if error:
+        raise ValueError(error)
+    loaded: dict[str, dict] = {}
+    for fqn, entry in specs.items():
+        loaded[fqn] = {}
+        for key, (kind, *spec) in entry.items():
+            if kind != "tensor":
+                loaded[fqn][key] = spec[0]
+                continue
+            full = to_comm(state["state"][fqn][key].detach(), info) if info.rank == 0 else \
+                torch.empty(spec[0], dtype=spec[1], device=comm_device(info))
+            broadcast(full, 0, info)
+            loaded[fqn][key] = _fill(template["state"][fqn][key], full)
+    load_sharded_optimizer_state_dict(model, optimizer, {"state": loaded, "param_groups": groups})

@@ -5,8 +5,9 @@ included) the dict is what torch's ``get_optimizer_state_dict`` gives FSDP2 user
 ``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``. A state
 tensor sized like the shard (``exp_avg``...) is a ``ShardView`` of the global parameter
 shape over this rank's real elements; scalars (``step``) are replicated values. An optimizer on the whole-tensor path
-(``parts.partition.route``) keeps each parameter's state on its owner only: that rank's dict
-holds it whole, under the same keys, and a load at another world size reads it on the new owner. An
+(``parts.partition.route``) keeps each parameter's state on its owner only: every rank's dict
+has the same keys, the owner's views holding the state whole (``owned_state``), and a load at
+any world size reads it on the parameter's owner then. An
 optimizer with no state yet (just built, about to load) first takes one step with
 learning rate 0 and zero grads, as torch's ``get_optimizer_state_dict`` does, so that
 every state tensor exists for ``dcp.load`` to fill (weights are unchanged by it).
@@ -15,7 +16,8 @@ are deferred, read when DCP saves them and written there when DCP loads them, on
 
 An optimizer with its own layout (``parts.optim.BF16Optimizer``) provides
 ``sharded_state_dict(model)`` / ``load_sharded_state_dict(model, state)`` itself; these
-functions call them.
+functions call them. Any other optimizer's ``state_dict()`` must be torch's layout (``state``
+by index, ``param_groups`` listing the indices); one that is not is refused, naming what it lacks.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from torch import nn
 from parts.base.wrapper import init_state
 from parts.offload.lease import Stored
 from parts.partition.core.param import ParamMeta, internal, is_partitioned, meta
+from parts.partition.interop.owned_state import any_rank_has_state, held_elsewhere, owned_state
 from parts.partition.interop.sharded_state import shard_view
 from parts.partition.whole import route, stepper_of
+from parts.partition.whole.leaves import record_of_leaf
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -65,10 +69,29 @@ def _fqns(model: nn.Module, optimizer: torch.optim.Optimizer, what: str) -> list
     return out
 
 
+def steps_model(model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """True if ``optimizer`` steps a sharded parameter of ``model``: its shard, a shard leaf of
+    ``shards(model)`` or a full tensor standing for it on a full-tensor path (no collective)."""
+    records = {id(meta(p).shard): id(meta(p)) for p in model.parameters() if is_partitioned(p)}
+    stepper = stepper_of(optimizer)
+    if stepper is not None:
+        records.update({id(t): rid for rid, t in stepper.by_record.items() if rid in records.values()})
+    mine = set(records.values())
+    for p in _params_of(optimizer):
+        leaf = record_of_leaf(p)
+        if (id(leaf) if leaf is not None else records.get(id(p))) in mine:
+            return True
+    return False
+
+
 @internal
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a stateless optimizer its state: one step with lr 0 on zero grads (weights unchanged)."""
-    if any(optimizer.state.get(p) for p in _params_of(optimizer)):
+    has_state = any(optimizer.state.get(p) for p in _params_of(optimizer))
+    stepper = stepper_of(optimizer)
+    if stepper is not None:  # owners hold the state: a rank owning nothing must not step alone
+        has_state = any_rank_has_state(stepper, has_state)
+    if has_state:
         return
     params = _params_of(optimizer)  # shards need not require grad: their .grad is set, not computed
     if any(p.grad is not None for p in params):
@@ -97,21 +120,42 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     init_optimizer_state(optimizer)
     stored = getattr(optimizer, "stored_state_dict", None)  # OffloadedOptimizer: nothing read now
     torch_sd = stored() if stored is not None else optimizer.state_dict()  # references to the state
-    state = {}
-    stepper = stepper_of(optimizer)
+    _check_layout(torch_sd, optimizer, len(fqns))
+    state, stepper = {}, stepper_of(optimizer)
+    whole = [(i, fqn, record) for i, (fqn, record) in enumerate(fqns)
+             if stepper is not None and record is not None and id(record) in stepper.by_record]
+    held = {fqn for _, fqn, _ in whole}
     for i, (fqn, record) in enumerate(fqns):
         entry = torch_sd["state"].get(i)
-        if entry and stepper is not None and id(record) in stepper.by_record:
-            if stepper.owns(record):  # whole-tensor state lives on the owner only, saved whole
-                state[fqn] = dict(entry)
-        elif entry:
+        if entry and fqn not in held:
             state[fqn] = {k: _state_value(v, record, f"{fqn}.{k}") for k, v in entry.items()}
+    if whole:  # whole-tensor state: held by owners, the same keys on every rank
+        state.update(owned_state(stepper, whole, torch_sd["state"]))
     groups, offset = [], 0
     for g in torch_sd["param_groups"]:
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": [fqns[offset + j][0] for j in range(len(g["params"]))]})
         offset += len(g["params"])
     return {"state": state, "param_groups": groups}
+
+
+def _check_layout(torch_sd: Any, optimizer: torch.optim.Optimizer, count: int) -> None:
+    """Refuse a ``state_dict()`` not in torch's layout, naming what it lacks and the way out."""
+    name = type(optimizer).__name__
+    lacks = [k for k in ("state", "param_groups") if not isinstance(torch_sd, Mapping) or k not in torch_sd]
+    if not lacks:
+        listed = sum(len(g.get("params", ())) for g in torch_sd["param_groups"] if isinstance(g, Mapping))
+        if listed != count:
+            lacks = [f"param_groups listing its {count} parameters (they list {listed})"]
+    if lacks:
+        has = sorted(map(str, torch_sd)) if isinstance(torch_sd, Mapping) else type(torch_sd).__name__
+        raise TypeError(
+            f"sharded_optimizer_state_dict: {name}.state_dict() is not in torch's layout: it has no {lacks} "
+            f"(it has {has}). parts saves optimizer state per parameter, {{'state': {{index: {{...}}}}, "
+            f"'param_groups': [{{..., 'params': [index, ...]}}]}} over {name}.param_groups, so that it loads at "
+            f"any world size. Give {name} a state_dict()/load_state_dict() in that layout (an optimizer "
+            f"combining others can share their param group dicts and one state dict), or the methods "
+            f"sharded_state_dict(model) and load_sharded_state_dict(model, state), which parts then calls")
 
 
 def _loaded_value(value: Any, where: str) -> Any:
@@ -158,7 +202,9 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     unknown = sorted(set(state["state"]) - set(index))
     if unknown:
         raise ValueError(f"load_sharded_optimizer_state_dict: state for {unknown}, which the optimizer does not step")
+    stepper = stepper_of(optimizer)
     torch_sd = {"state": {index[fqn]: {k: _loaded_value(v, f"'{fqn}.{k}'") for k, v in entry.items()}
-                          for fqn, entry in state["state"].items()},
+                          for fqn, entry in state["state"].items()
+                          if not held_elsewhere(stepper, fqns[index[fqn]][1])},
                 "param_groups": _groups_for(list(state["param_groups"]), fqns, optimizer)}
     optimizer.load_state_dict(torch_sd)
