@@ -73,5 +73,5 @@ def wrapped_body(kind: str, scratch: str):
 
 @pytest.mark.parametrize("kind", ["bf16", "offload"])
 def test_wrapping_a_shape_aware_optimizer_is_refused_naming_the_way_out(kind: str, tmp_path) -> None:
-    with pytest.raises(RankFailure, match="Adafactor, which needs whole tensors.*Step Adafactor.*unwrapped"):
+    with pytest.raises(RankFailure, match="Adafactor, which takes the whole path.*Step Adafactor.*unwrapped"):
         run(2, wrapped_body, kind, str(tmp_path))

@@ -84,15 +84,20 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
                 method()
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
     """Refuse a step over sharded parameters themselves (not their shards), naming the fix;
-    then run the ``before_each_step`` functions."""
+    then run the ``before_each_step`` functions; a closure passed to the step comes back wrapped
+    by the router (whole/closures.py)."""
     for router in _router:
         router.resolve(optimizer)
-    for fn in _before:
-        fn(optimizer)
+    grads_ready(optimizer)
     for router in _router:
         router.before(optimizer)
+    _check_params(optimizer)
+    return _router[0].wrap(optimizer, args, kwargs) if _router else None
+
+
+def _check_params(optimizer: torch.optim.Optimizer) -> None:
     groups = optimizer.param_groups
     size = sum(len(g["params"]) for g in groups)
     if _checked.get(optimizer) == size:
@@ -103,6 +108,13 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             if record is not None:
                 raise RuntimeError(_full_param_message(optimizer, record))
     _checked[optimizer] = size
+
+
+def grads_ready(optimizer: torch.optim.Optimizer) -> None:
+    """Run the ``before_each_step`` functions: what must land in the grad shards before ``optimizer``
+    reads them (before its step, and after each closure its step calls)."""
+    for fn in _before:
+        fn(optimizer)
 
 
 def _full_param_message(optimizer: torch.optim.Optimizer, record: Any) -> str:
@@ -145,7 +157,7 @@ def linked_record(shard: torch.Tensor) -> Any:
 
 
 def set_router(router: Any) -> None:
-    """Install the whole-tensor router (``resolve``, ``before``, ``after``, ``held`` of an optimizer)."""
+    """Install the whole-tensor router (``resolve``, ``before``, ``after``, ``held`` and ``wrap`` of an optimizer)."""
     install()
     _router[:] = [router]
 

@@ -1,7 +1,10 @@
-"""The whole-tensor path for shape-aware optimizers (Adafactor, Muon, per-tensor trust ratios)."""
+"""The full-tensor paths for optimizers that are not element-wise: whole tensors stepped by owners
+(Adafactor, Muon, per-tensor trust ratios) and every full tensor on every rank (optimizers that
+couple tensors: D-adaptation, Prodigy, LBFGS, SAM)."""
 
 from parts.partition.whole.leaves import ShapedShard, shaped_shard
-from parts.partition.whole.paths import ELEMENT_WISE, needs_whole
+from parts.partition.whole.paths import COUPLED, ELEMENT_WISE, needs_whole
+from parts.partition.whole.probe import probe
 from parts.partition.whole.route import route, stepper_of
 
-__all__ = ["ShapedShard", "shaped_shard", "ELEMENT_WISE", "needs_whole", "route", "stepper_of"]
+__all__ = ["ShapedShard", "shaped_shard", "COUPLED", "ELEMENT_WISE", "needs_whole", "probe", "route", "stepper_of"]

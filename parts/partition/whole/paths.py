@@ -1,94 +1,121 @@
-"""Which path an optimizer over shards takes: the flat shards, or whole tensors stepped by owners.
+"""Which path an optimizer over shards takes: the flat shards, whole tensors stepped by owners, or
+every full tensor on every rank.
 
-An element-wise optimizer (each element's update depends on that element's grad and state
-only) gives the same result on a flat shard as on the whole tensor: it takes the shard path,
-which costs nothing beyond the reduce-scatter. torch's element-wise optimizers are listed in
-``ELEMENT_WISE``. Any other optimizer is probed once, on small random tensors: two steps of
-its update of one 2-D tensor against the same values split into two flat pieces, state
-included. If the results differ, or it refuses the flat pieces (``torch.optim.Muon``: 2-D
-only), its update needs the whole tensor (a factored second moment, a per-tensor norm or
-trust ratio, an orthogonalisation) and it takes the whole-tensor path; one log line says so.
+- Shard: an element-wise optimizer (each element's update depends on that element's grad and
+  state only) gives the same result on a flat shard as on the whole tensor; it costs nothing
+  beyond the reduce-scatter. torch's element-wise optimizers are listed in ``ELEMENT_WISE``.
+- Whole: a per-tensor optimizer (a factored second moment, a per-tensor norm or trust ratio,
+  an orthogonalisation) needs each tensor whole, not the others: owners step whole tensors.
+- Replicated: an optimizer whose update couples tensors (a sum or norm over all parameters, a
+  line search, a closure called more than once) needs all of them: every rank steps every
+  full tensor. Optimizers known to be such are listed in ``COUPLED`` by class name (so that
+  their package need not be imported), and per-tensor ones whose first steps look element-wise
+  in ``PER_TENSOR``.
+
+Any other optimizer is probed once (whole/probe.py); one log line names the path, why, and
+what it costs. The probe is a heuristic backed by the two lists; ``route(optimizer, path)``
+names a path by hand.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
 
-logger = logging.getLogger("parts.partition")
+from parts.partition.whole.probe import ORDER, REPLICATED, SHARD, WHOLE, Verdict, probe, strictest
 
-SHARD, WHOLE = "shard", "whole"
-PATHS = (SHARD, WHOLE)
+PATHS = ORDER
 
 ELEMENT_WISE = frozenset(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop",
-    "SparseAdam") if hasattr(torch.optim, name))
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+    if hasattr(torch.optim, name))
 """torch optimizers whose update of each element needs only that element: the shard path."""
 
-_SPLIT = 13  # a 6 x 5 tensor as flat pieces of 13 and 17 elements: neither a row boundary nor a half
+COUPLED: dict[str, Optional[str]] = {
+    # a line search or several closure calls per step
+    "LBFGS": None, "SAM": None, "GSAM": None, "WSAM": None, "BSAM": None, "LookSAM": None, "FriendlySAM": None,
+    "AliG": None,
+    # a sum, norm or maximum over all parameters
+    "Prodigy": None, "DAdaptAdam": None, "DAdaptAdaGrad": None, "DAdaptAdan": None, "DAdaptLion": None,
+    "DAdaptSGD": None, "AdamS": None, "Ranger21": None, "AvaGrad": None, "PCGrad": None,
+    "Lamb": "pre_norm",
+}
+"""Optimizers (by class name) whose update couples tensors: the replicated path; a name mapped to an
+option couples them only where a param group sets that option."""
+
+PER_TENSOR: dict[str, Optional[str]] = {
+    "Shampoo": None, "ScalableShampoo": None, "SOAP": None, "Conda": None,
+    "GaLore": "rank", "APOLLO": "rank", "Fira": "rank",
+}
+"""Optimizers (by class name) whose update needs each tensor whole, but only after a first phase that
+is element-wise (preconditioning from a later step on, a projection every few steps) or only where a
+param group sets an option: the whole path, without a probe the first phase could fool."""
+
+_SECOND_ORDER = ("it estimates the Hessian by differentiating the grads again (backward(create_graph=True)), "
+                 "but a sharded model's grads are reduced across ranks and carry no graph; use a first-order "
+                 "optimizer over shards(model) (AdamW, Adafactor, Lion, Muon), or train this model unsharded")
+REFUSED = {"AdaHessian": _SECOND_ORDER, "SophiaH": _SECOND_ORDER}
+"""Optimizers (by class name) that no path can make exact, and why, with the way out."""
+
+ELEMENT_WISE_WRAPPERS = {"Lookahead": "optimizer"}
+"""Wrappers (by class name) whose own update is element-wise, and the attribute holding the optimizer
+they wrap: they take that optimizer's path (Lookahead: a blend of fast and slow weights)."""
 
 
-def _steps(cls: type, options: dict, leaves: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> Optional[list]:
-    """``leaves`` after one step per entry of ``grads`` of a fresh ``cls`` (None if it refuses them)."""
-    try:
-        optimizer = cls([{**options, "params": leaves}])
-        for step in grads:
-            for leaf, g in zip(leaves, step):
-                leaf.grad = g.clone()
-            optimizer.step()
-    except (TypeError, ValueError, RuntimeError) as error:
-        logger.debug("parts.partition: probing %s: %s", cls.__name__, error)
-        return None
-    return [leaf.detach().reshape(-1) for leaf in leaves]
+def _listed(optimizer: torch.optim.Optimizer, listing: dict[str, Optional[str]]) -> Optional[str]:
+    """The class name in ``listing`` that ``optimizer`` is an instance of, where its groups set the option."""
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in listing:
+            option = listing[cls.__name__]
+            if option is None or any(g.get(option) for g in optimizer.param_groups):
+                return cls.__name__ + (f" with {option}" if option else "")
+    return None
 
 
-def _probe_options(optimizer: torch.optim.Optimizer) -> dict:
-    """The first group's options, a zero learning rate made 1e-2 (a zero step shows no difference)."""
-    options = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    if isinstance(options.get("lr"), (int, float)) and options["lr"] == 0:
-        options["lr"] = 1e-2
-    return options
+def verdict(optimizer: torch.optim.Optimizer) -> Optional[Verdict]:
+    """The path of ``optimizer`` from the lists and its wrapped optimizer; None where it is to be probed."""
+    if type(optimizer) in ELEMENT_WISE:
+        return Verdict(SHARD, "listed element-wise")
+    if type(optimizer).__name__ == "SparseAdam":
+        raise RuntimeError("parts.partition: SparseAdam steps sparse grads, but the grad shards of a sharded model "
+                           "are dense; use torch.optim.Adam or AdamW over shards(model)")
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in REFUSED:
+            raise RuntimeError(f"parts.partition: {type(optimizer).__name__} cannot step a sharded model: "
+                               f"{REFUSED[cls.__name__]}")
+    listed = _listed(optimizer, COUPLED)
+    if listed is not None:
+        return Verdict(REPLICATED, f"listed as coupling tensors: {listed}")
+    listed = _listed(optimizer, PER_TENSOR)
+    if listed is not None:
+        return Verdict(WHOLE, f"listed as needing each tensor whole: {listed}")
+    inner = getattr(optimizer, ELEMENT_WISE_WRAPPERS.get(type(optimizer).__name__, ""), None)
+    if isinstance(inner, torch.optim.Optimizer):
+        found = verdict(inner) or probe(inner)
+        return Verdict(found.path, f"its own update is element-wise; the {type(inner).__name__} it wraps: {found.why}",
+                       found.probed)
+    return None
 
 
-def needs_whole(optimizer: torch.optim.Optimizer) -> bool:
-    """True if ``optimizer``'s update of a 2-D tensor differs from that of its flat pieces."""
-    cls, options = type(optimizer), _probe_options(optimizer)
-    gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float64, torch.float32):
-        w = torch.randn(6, 5, generator=gen, dtype=dtype)
-        grads = [torch.randn(6, 5, generator=gen, dtype=dtype) for _ in range(2)]
-        whole = _steps(cls, options, [w.clone()], [[g] for g in grads])
-        if whole is None:
-            continue
-        flat = w.reshape(-1)
-        pieces = [flat[:_SPLIT].clone(), flat[_SPLIT:].clone()]
-        split = _steps(cls, options, pieces, [[g.reshape(-1)[:_SPLIT], g.reshape(-1)[_SPLIT:]] for g in grads])
-        if split is None:
-            return True
-        tol = 1e-10 if dtype == torch.float64 else 1e-5
-        return not torch.allclose(torch.cat(split), whole[0], rtol=tol, atol=tol * 1e-2)
-    return True  # it steps no plain 2-D tensor: the whole path holds for any update
-
-
-def choose(optimizer: torch.optim.Optimizer, path: Optional[str]) -> str:
-    """``path`` if given, else the shard path for a listed element-wise optimizer, else the probe's
-    answer (logged once)."""
+def choose(optimizer: torch.optim.Optimizer, path: Optional[str]) -> Verdict:
+    """``path`` if given, else the lists' answer, else the probe's."""
     if path is not None:
         if path not in PATHS:
             raise ValueError(f"parts.partition.route: path must be one of {PATHS} or None, got {path!r}")
-        return path
-    if type(optimizer) in ELEMENT_WISE:
-        return SHARD
-    chosen = WHOLE if needs_whole(optimizer) else SHARD
-    why = ("its update of a 2-D tensor differs from that of the same values in flat pieces" if chosen == WHOLE
-           else "its update of a 2-D tensor equals that of the same values in flat pieces")
-    logger.info("parts.partition: %s takes the %s path (probed: %s)", type(optimizer).__name__,
-                "whole-tensor" if chosen == WHOLE else "shard", why)
-    return chosen
+        return Verdict(path, "named by route(optimizer, path)")
+    return verdict(optimizer) or probe(optimizer)
+
+
+def needs_whole(optimizer: torch.optim.Optimizer) -> bool:
+    """True if ``optimizer``'s update of a tensor differs from that of its flat pieces (path whole or replicated)."""
+    return choose(optimizer, None).path != SHARD
 
 
 def describe(optimizer: Any) -> str:
     """The optimizer's class name for messages."""
     return type(optimizer).__name__
+
+
+__all__ = ["SHARD", "WHOLE", "REPLICATED", "PATHS", "ELEMENT_WISE", "COUPLED", "PER_TENSOR", "REFUSED", "Verdict",
+           "choose", "verdict", "needs_whole", "strictest", "describe"]

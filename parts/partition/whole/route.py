@@ -3,26 +3,53 @@
 Called by the process-wide step pre-hook (core/steps.py) before every step, by the ``parts``
 functions that read an optimizer's param groups, and by users who name a path themselves.
 The first call finds the sharded parameters among the optimizer's tensors (its shards and
-``ShapedShard`` leaves), chooses a path (whole/paths.py) and rewrites the param groups: the
-shard path puts the shards themselves there; the whole-tensor path hands the parameters to a
-``WholeStepper`` (whole/stepper.py). Later calls cost one dictionary lookup.
+``ShapedShard`` leaves), chooses a path (whole/paths.py; the ranks agree on the strictest of
+their answers) and rewrites the param groups: the shard path puts the shards themselves there;
+the whole path hands the parameters to a ``WholeStepper`` (whole/stepper.py), the replicated
+path to a ``ReplicatedStepper`` (whole/replicated.py). A wrapper that shares its param groups
+with the optimizers it holds (Lookahead, SAM) is routed as one with them: the outermost
+optimizer's step runs the exchanges, and state any of them made already is carried over
+(whole/early_state.py). Later calls cost one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from parts.base.wrapper import OptimizerWrapper, on_wrap
+from parts.comm import GroupInfo, ReduceOp, all_reduce, comm_device
 from parts.partition.core import steps
+from parts.partition.whole import closures
+from parts.partition.whole.early_state import carry
+from parts.partition.whole.full import FullStepper
 from parts.partition.whole.leaves import record_of_leaf
-from parts.partition.whole.paths import SHARD, WHOLE, choose
+from parts.partition.whole.paths import PATHS, SHARD, WHOLE, Verdict, choose
+from parts.partition.whole.probe import family
+from parts.partition.whole.replicated import ReplicatedStepper
 from parts.partition.whole.stepper import WholeStepper
 
+logger = logging.getLogger("parts.partition")
+
+_STEPPERS = {WHOLE: WholeStepper, "replicated": ReplicatedStepper}
+
+
+@dataclass
+class Settled:
+    """What ``route`` settled for one optimizer."""
+
+    path: str
+    stepper: Optional[FullStepper] = None  # the outermost optimizer's, on the whole and replicated paths
+    infos: list[GroupInfo] = field(default_factory=list)  # the groups a closure's loss is averaged over
+    inner: bool = False  # an optimizer a routed wrapper holds: the wrapper's step runs the exchanges
+
+
 _routed = WeakIdKeyDictionary()
-"""Optimizer -> (path, its WholeStepper or None): what ``route`` settled; forgets dead optimizers."""
+"""Optimizer -> ``Settled``; forgets dead optimizers."""
 
 
 def _record_of(t: Any) -> tuple[Optional[Any], bool]:
@@ -47,51 +74,83 @@ def _slots(optimizer: torch.optim.Optimizer) -> list[tuple[int, int, Any, bool]]
     return out
 
 
-def _masters_message(optimizer: torch.optim.Optimizer, record: Any) -> str:
-    return (f"parts.partition: {type(optimizer).__name__} needs whole tensors, but it steps a copy of "
+def _masters_message(optimizer: torch.optim.Optimizer, record: Any, path: str) -> str:
+    return (f"parts.partition: {type(optimizer).__name__} takes the {path} path, but it steps a copy of "
             f"{record.describe()} that a wrapper keeps (BF16Optimizer's fp32 masters) flat; keep fp32 "
             f"shards as the masters instead: attach(model, mixed_precision=MixedPrecision()) and "
             f"{type(optimizer).__name__}(shards(model)), bf16 on the wire and in compute")
 
 
+def _infos(slots: list) -> list[GroupInfo]:
+    first = slots[0][2]
+    return [first.info] + ([first.replica] if getattr(first, "replica", None) is not None else [])
+
+
+def _agree(verdict: Verdict, info: GroupInfo) -> Verdict:
+    """The strictest of the ranks' probed verdicts (one tiny all-reduce): every rank takes the same path."""
+    if not verdict.probed:  # from the lists or named by the user: the same on every rank
+        return verdict
+    code = torch.tensor([PATHS.index(verdict.path)], dtype=torch.int32, device=comm_device(info))
+    path = PATHS[int(all_reduce(code, info, ReduceOp.MAX).item())]
+    return verdict if path == verdict.path else Verdict(path, "another rank's probe found it", True)
+
+
+def _log(optimizer: torch.optim.Optimizer, verdict: Verdict, stepper: Optional[FullStepper]) -> None:
+    if verdict.why == "listed element-wise":
+        return
+    costs = stepper.costs() if stepper is not None else "each rank steps its shards, nothing beyond the reduce-scatter"
+    logger.info("parts.partition: %s takes the %s path (%s); %s", type(optimizer).__name__, verdict.path,
+                verdict.why, costs)
+
+
 def route(optimizer: torch.optim.Optimizer, path: Optional[str] = None) -> str:
-    """Settle (once) and return the path ``optimizer`` takes over its shards: "shard" or "whole";
-    ``path`` overrides the choice (before the optimizer first steps)."""
+    """Settle (once) and return the path ``optimizer`` takes over its shards: "shard", "whole" or
+    "replicated"; ``path`` overrides the choice (before the optimizer first steps)."""
     if isinstance(optimizer, OptimizerWrapper):
         return route(optimizer.optimizer, path)
     settled = _routed.get(optimizer)
     if settled is not None:
-        if path is not None and path != settled[0]:
-            raise RuntimeError(f"parts.partition.route: {type(optimizer).__name__} already takes the {settled[0]} "
+        if path is not None and path != settled.path:
+            raise RuntimeError(f"parts.partition.route: {type(optimizer).__name__} already takes the {settled.path} "
                                f"path; name the path right after building the optimizer, before it steps")
-        return settled[0]
+        return settled.path
     slots = _slots(optimizer)
     if not slots:
-        _routed[optimizer] = (SHARD, None)
+        _routed[optimizer] = Settled(SHARD)
         return SHARD
-    chosen = choose(optimizer, path)
-    if chosen == WHOLE:
+    verdict = _agree(choose(optimizer, path), slots[0][2].info)
+    if verdict.path != SHARD:
         for _, _, record, own in slots:
             if not own:
-                raise RuntimeError(_masters_message(optimizer, record))
-    if chosen == WHOLE and any(optimizer.state.get(optimizer.param_groups[g]["params"][i]) for g, i, _, _ in slots):
-        raise RuntimeError(f"parts.partition: {type(optimizer).__name__} has state for its shards before its path "
-                           f"was settled; call parts.partition.route(optimizer) right after building it")
-    stepper = WholeStepper(optimizer, [record for _, _, record, _ in slots]) if chosen == WHOLE else None
+                raise RuntimeError(_masters_message(optimizer, record, verdict.path))
+    _settle(optimizer, slots, verdict)
+    return verdict.path
+
+
+def _settle(optimizer: torch.optim.Optimizer, slots: list, verdict: Verdict) -> None:
+    """Rewrite the param groups for ``verdict``'s path; record it for the optimizer and those it holds."""
+    members = family(optimizer)
+    stepper = _STEPPERS[verdict.path](optimizer, [r for _, _, r, _ in slots]) if verdict.path in _STEPPERS else None
     for g, i, record, own in slots:
         params = optimizer.param_groups[g]["params"]
         old = params[i]
-        params[i] = stepper.by_record[id(record)] if stepper is not None else (record.shard if own else old)
-        if params[i] is not old and old in optimizer.state:  # state loaded before the first step: the shard's
-            optimizer.state[params[i]] = optimizer.state.pop(old)
-    _routed[optimizer] = (chosen, stepper)
-    return chosen
+        new = stepper.by_record[id(record)] if stepper is not None else (record.shard if own else old)
+        params[i] = new
+        keep = stepper is None or stepper.path != WHOLE or stepper.owns(record)
+        carry(members, old, new, record, verdict.path, keep)
+    if stepper is not None:
+        stepper.adopt(members)
+    infos = _infos(slots)
+    _routed[optimizer] = Settled(verdict.path, stepper, infos)
+    for inner in members[1:]:
+        _routed[inner] = Settled(verdict.path, None, infos, inner=True)
+    _log(optimizer, verdict, stepper)
 
 
-def stepper_of(optimizer: torch.optim.Optimizer) -> Optional[WholeStepper]:
-    """The ``WholeStepper`` of a routed optimizer on the whole-tensor path, else None."""
+def stepper_of(optimizer: torch.optim.Optimizer) -> Optional[FullStepper]:
+    """The stepper of a routed optimizer on the whole or replicated path, else None."""
     settled = _routed.get(optimizer)
-    return settled[1] if settled is not None else None
+    return settled.stepper if settled is not None else None
 
 
 class _Router:
@@ -115,13 +174,20 @@ class _Router:
         stepper = stepper_of(optimizer)
         return [m.shard for m in stepper.records] if stepper is not None else []
 
+    def wrap(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        settled = _routed.get(optimizer)
+        if settled is None or settled.inner or not settled.infos:
+            return None
+        return closures.wrap(optimizer, args, kwargs, settled.stepper, settled.infos)
+
 
 def _settle_wrapped(optimizer: torch.optim.Optimizer, wrapper: torch.optim.Optimizer) -> None:
-    """Settle the path of an optimizer a wrapper is about to read; refuse the whole-tensor path there."""
-    if route(optimizer) == WHOLE:
+    """Settle the path of an optimizer a wrapper is about to read; refuse the full-tensor paths there."""
+    path = route(optimizer)
+    if path != SHARD:
         name, outer = type(optimizer).__name__, type(wrapper).__name__
-        raise RuntimeError(f"parts.partition: {outer} wraps {name}, which needs whole tensors (its parameters are "
-                           f"stepped whole by owner ranks, with state in memory); {outer} steps flat copies or "
+        raise RuntimeError(f"parts.partition: {outer} wraps {name}, which takes the {path} path (its parameters are "
+                           f"stepped as full tensors, with state in memory); {outer} steps flat copies or "
                            f"chunks and would give another result. Step {name}(shards(model)) unwrapped: fp32 "
                            f"shards are the masters, attach(model, mixed_precision=MixedPrecision()) gives bf16 "
                            f"compute, and parts.partition.clip_grad_norm_(model, ...) clips before the step")

@@ -15,47 +15,25 @@ after it one all-to-all sends each rank its shard of the updated values. The gra
 
 from __future__ import annotations
 
-import types
-import weakref
 from typing import Any
 
 import torch
 
-from parts.base.owners import OwnerPlan
 from parts.comm import ReduceOp, all_reduce, all_to_all, comm_device
-from parts.partition.core import disk
 from parts.partition.core.param import alloc, internal, shard_version
+from parts.partition.whole.full import FullStepper
+
+_MB = 2 ** 20
 
 
-def _refuse_parked(records: list, name: str) -> None:
-    for m in records:
-        if disk.parked_version(m.shard) is not None:
-            raise RuntimeError(f"parts.partition: {name} takes the whole-tensor path, but {m.describe()} has its "
-                               f"shard in a DiskStore; keep shape-aware optimizers' parameters in memory "
-                               f"(partitioned() without remote_device) or use an element-wise optimizer there")
-
-
-class WholeStepper:
+class WholeStepper(FullStepper):
     """Owners, full tensors and the two exchanges of one optimizer on the whole-tensor path."""
 
+    path = "whole"
+
     def __init__(self, optimizer: torch.optim.Optimizer, records: list) -> None:
-        name = type(optimizer).__name__
-        self.records = sorted(records, key=lambda m: m.id)
-        first = self.records[0]
-        for m in self.records:
-            if m.info.group is not first.info.group or m.shard.dtype != first.shard.dtype:
-                raise ValueError(f"parts.partition: {name} steps {first.describe()} and {m.describe()}, sharded "
-                                 f"over different process groups or in different dtypes; build one optimizer "
-                                 f"per group and dtype")
-        _refuse_parked(self.records, name)
-        self.info, self.dtype = first.info, first.shard.dtype
-        self.plan = OwnerPlan(tuple(m.numel for m in self.records),
-                              tuple(m.layout.shard_numel for m in self.records), self.info.world_size)
-        self.tensors = [self._slot(j, m) for j, m in enumerate(self.records)]
-        self.stamps: list[Any] = [None] * len(self.records)  # shard versions when the owners' copies were made
-        self.by_record = {id(m): t for m, t in zip(self.records, self.tensors)}
-        self._install_zero_grad(optimizer)
-        self._optimizer = weakref.ref(optimizer)
+        super().__init__(optimizer, records)
+        self._hold([self._slot(j, m) for j, m in enumerate(self.records)])
 
     def _slot(self, j: int, m: Any) -> torch.Tensor:
         """The full tensor on the owner of parameter ``j``; an empty placeholder elsewhere."""
@@ -63,28 +41,13 @@ class WholeStepper:
             return torch.zeros(m.shape, dtype=self.dtype, device=m.shard.device)
         return torch.empty(0, dtype=self.dtype, device=m.shard.device)
 
-    def owner_of(self, record: Any) -> int:
-        """The rank that steps ``record``'s parameter."""
-        return self.plan.owners[self.records.index(record)]
-
-    def owns(self, record: Any) -> bool:
-        """True if this rank steps ``record``'s parameter."""
-        return self.owner_of(record) == self.info.rank
-
-    def _install_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.zero_grad()`` also clears the grad shards it no longer holds itself."""
-        stepper, plain = self, optimizer.zero_grad
-
-        def zero_grad(self_: Any, set_to_none: bool = True) -> None:
-            plain(set_to_none)
-            for m in stepper.records:
-                grad = m.grad_shard
-                if grad is not None:
-                    if set_to_none:
-                        m.grad_shard = None
-                    else:
-                        grad.zero_()
-        optimizer.__dict__["zero_grad"] = types.MethodType(zero_grad, optimizer)
+    def costs(self) -> str:
+        """Memory per rank and bytes per step, for the log line."""
+        size, world = self.nbytes(), self.info.world_size
+        return (f"each owner holds its parameters' full values, grads and state (about {2 * size / world / _MB:.1f} "
+                f"MiB of values and grads per rank on balanced owners); each step sends the grad shards to the "
+                f"owners and the updated shards back, {2 * size * (world - 1) / world / world / _MB:.1f} MiB "
+                f"out of each rank")
 
     def _stale(self) -> list[bool]:
         """Per parameter: has any rank's shard changed since the owner's full copy was last made?
@@ -97,8 +60,15 @@ class WholeStepper:
     def before(self) -> None:
         """Bring every rank's grad shards (and value shards where the owner's copy is stale) to the
         owners; give the full tensors their grads."""
+        self._to_owners(self._stale())
+
+    @internal
+    def after_closure(self) -> None:
+        """Bring the grad shards a closure's backward made to the owners (the values are current there)."""
+        self._to_owners([False] * len(self.records))
+
+    def _to_owners(self, stale: list[bool]) -> None:
         rank, device = self.info.rank, comm_device(self.info)
-        stale = self._stale()
         pieces = [2 if s else 1 for s in stale]
         send_splits, recv_splits = self.plan.to_owners(rank, pieces)
         parts = [piece for d in range(self.info.world_size) for j in self.plan.owned(d)
@@ -132,20 +102,28 @@ class WholeStepper:
     @internal
     def after(self) -> None:
         """Send each rank its shard of the updated full tensors; drop the full grads."""
+        self._from_owners()
+        rank = self.info.rank
+        for j, t in enumerate(self.tensors):
+            t.grad = None
+            if self.plan.owners[j] != rank:  # a state-making step gave placeholders state: not theirs to keep
+                for optimizer in self.optimizers():
+                    optimizer.state.pop(t, None)
+
+    @internal
+    def before_closure(self) -> None:
+        """Send each rank its shard of the owners' current values (a closure's forward reads the shards)."""
+        self._from_owners()
+
+    def _from_owners(self) -> None:
         rank, world, device = self.info.rank, self.info.world_size, comm_device(self.info)
         send_splits, recv_splits = self.plan.from_owners(rank)
-        owned = self.plan.owned(rank)
         flats = []
-        for j in owned:
+        for j in self.plan.owned(rank):
             sn, full = self.plan.shard_numels[j], self.tensors[j]
             flat = torch.zeros(sn * world, dtype=self.dtype, device=device)
             flat[:full.numel()].copy_(full.detach().reshape(-1))
             flats.append(flat.view(world, sn))
-            full.grad = None
-        optimizer = self._optimizer()
-        for j, t in enumerate(self.tensors):  # a state-making step gave placeholders state: not theirs to keep
-            if self.plan.owners[j] != rank and optimizer is not None:
-                optimizer.state.pop(t, None)
         send = torch.cat([f[d] for d in range(world) for f in flats]) if flats else \
             torch.empty(0, dtype=self.dtype, device=device)
         recv = alloc(sum(recv_splits), self.dtype, device)
