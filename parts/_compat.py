@@ -140,6 +140,33 @@ def storage_less_tensor(cls: type, shape: Any, dtype: torch.dtype, device: torch
                                                requires_grad=False)
 
 
+def functorch_active() -> bool:
+    """True while a ``torch.func`` transform (grad, vjp, vmap, jvp...) runs on this thread."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def outside_functorch(fn: Callable) -> Callable:
+    """``fn`` run with ``torch.func`` transforms switched off while one is active (as FSDP2's
+    unshard and reshard are): tensors it makes are plain, not wrapped at the transform's level."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+def functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor inside every ``torch.func`` wrapper around ``t`` (``t`` itself if unwrapped)."""
+    from torch._C import _functorch
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
 try:  # the C half of dynamo, loaded with torch (importing torch._dynamo itself takes seconds)
     from torch._C._dynamo import eval_frame as _eval_frame
 except ImportError:  # a build without dynamo: nothing can trace the hooks

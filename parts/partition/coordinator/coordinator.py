@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from parts._compat import in_backward
+from parts._compat import functorch_active, in_backward, outside_functorch
 from parts.base.weak import weak_method
 from parts.comm import GroupArg, WeakGroup
 from parts.partition.core.grad_guard import raw_grad
@@ -47,9 +47,11 @@ from parts.partition.coordinator.attached import Attached, Through
 from parts.partition.coordinator.checks import agree_to_attach, agreement_scopes, external_of
 from parts.partition.coordinator.hooks import AttachedLookup, ModuleHooks, eager, register_pre_backward
 from parts.partition.coordinator.plan import Knobs
+from parts.partition.coordinator.returned import backward_outputs, returned_params
 from parts.partition.coordinator.stats import CoordinatorStats
 from parts.partition.coordinator.step import ModuleCall, StepState
 from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name
+from parts.partition.coordinator.transforms import check_transform_params
 from parts.partition.core import points
 from parts.partition.core.param import meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
@@ -123,6 +125,8 @@ class FetchCoordinator:
         self._follow_requires_grad()
         for sub in self.table.modules:
             _attached[sub] = self
+        for m in self.table.records.values():
+            m.attached = True
         if self.knobs.debug:
             self._checker = weakref.WeakMethod(self.steps.outside)
             points.register(self._records(), self._checker)
@@ -168,6 +172,8 @@ class FetchCoordinator:
         if self._undo_precision is not None:
             self._undo_precision()
         remove_zero_grad(self.table.modules)
+        for m in self.table.records.values():
+            m.attached = False
         remove_apply(self.table.modules)
         for sub in self.table.modules:
             restore_forward_check(sub)
@@ -221,6 +227,10 @@ class FetchCoordinator:
         pid = self.table.pid(param)
         if call.index == owner or pid is None or pid in call.ids:
             return
+        self._take_external(call, pid)
+
+    def _take_external(self, call: ModuleCall, pid: int) -> None:
+        """``call``'s module uses ``pid`` of another: fetch it now and in every later call."""
         self._add_external(call.index, pid)
         call.ids.append(pid)
         self.check.point(self.steps.get(call.phase), "external", call.index, [pid])
@@ -261,6 +271,8 @@ class FetchCoordinator:
     def _pre_forward(self, index: int, module: nn.Module, args: tuple) -> None:
         if self._root is None:
             return
+        if functorch_active():
+            check_transform_params(module)
         phase = self._phase_of(module)
         call = ModuleCall(index, phase, list(self.table.sets[index]))
         self._stack.append(call)
@@ -286,6 +298,8 @@ class FetchCoordinator:
         call = self._pop(index)
         if call is None:
             return
+        if self._stack and output is not None and not in_backward():
+            self._lend_returned(output)
         step = self.steps.get(call.phase)
         self.live.done_with(call.ids, step)
         if step is None or self._stack or in_backward():
@@ -305,7 +319,14 @@ class FetchCoordinator:
         fire = partial(self._pre_backward, call.index, call.phase)
         if args is not None:  # frozen params released once the unit's backward is over (frozen.py)
             fire = self.frozen.wrap(call.ids, args, fire)
-        step.pending_backward |= register_pre_backward(output, fire)
+        step.pending_backward |= register_pre_backward(backward_outputs(self.table, output), fire)
+
+    def _lend_returned(self, output: Any) -> None:
+        """Parameters the module returned as they are are the caller's to use (returned.py)."""
+        caller = self._stack[-1]
+        for pid in returned_params(self.table, output):
+            if pid not in caller.ids and pid not in self.flat_ids:
+                self._take_external(caller, pid)
 
     def _pop(self, index: int) -> Optional[ModuleCall]:
         for k in range(len(self._stack) - 1, -1, -1):
@@ -318,6 +339,7 @@ class FetchCoordinator:
                 return call
         return None
 
+    @outside_functorch
     def _pre_backward(self, index: int, phase: str) -> None:
         if self._root is None:
             return

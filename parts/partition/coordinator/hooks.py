@@ -2,7 +2,8 @@
 
 Nothing here decides what to fetch; ``FetchCoordinator`` (coordinator.py) does. This module
 installs and removes the hooks and finds tensors inside whatever a forward returns. The hooks
-are ``eager``: under ``torch.compile`` each is a graph break, run with dynamo off (compiled.py).
+are ``eager``: under ``torch.compile`` each is a graph break, run with dynamo off (compiled.py),
+and under a ``torch.func`` transform they run with it switched off (transforms.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from parts._compat import graph_task_id, never_compiled
+from parts._compat import graph_task_id, never_compiled, outside_functorch
 
 
 _MAX_DEPTH = 8
@@ -27,8 +28,9 @@ EAGER_REASON = (
 
 
 def eager(fn: Callable) -> Callable:
-    """``fn`` (a coordinator hook) run eagerly where ``torch.compile`` traces its caller."""
-    return never_compiled(fn, EAGER_REASON)
+    """``fn`` (a coordinator hook) run eagerly where ``torch.compile`` traces its caller, and
+    outside any ``torch.func`` transform: the tensors it gathers are plain (transforms.py)."""
+    return never_compiled(outside_functorch(fn), EAGER_REASON)
 
 
 def tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:

@@ -97,6 +97,8 @@ class ParamMeta:
     # truthy: the full tensor holds dequantized codes (a compressed gather), not the masters; the
     # gathered codes themselves (a Quantized of every rank's row) where a secondary store reuses them
     full_codes: Any = False
+    attached: bool = False  # a FetchCoordinator's hooks fetch it (its released error names
+    # register_external_parameter, the way to fetch it for another module)
 
     @property
     def status(self) -> ParamStatus:

@@ -67,11 +67,17 @@ def _op_name(func: Any) -> str:
     return f"{_PREFIXES[head]}.{tail}" if dot and head in _PREFIXES else name
 
 
-def _released_message(p: torch.Tensor, what: str) -> str:
+def _released_message(p: torch.Tensor, what: str, by_op: bool = False) -> str:
     m = meta(p)
     ranks = f"{m.world_size} rank{'s' if m.world_size != 1 else ''}"
     state = (f"still being gathered (sharded over {ranks}; wait() its GatherHandle first)"
              if m.status is ParamStatus.INFLIGHT else f"released (sharded over {ranks}; p.data is empty)")
+    if by_op and m.attached:  # a coordinator fetches it for its own module's forward and backward only
+        return (f"parts.partition: {m.describe()} is {state}; {what} cannot use it. Its model is "
+                f"attached, and a module whose forward uses a parameter it does not own (kept in a list "
+                f"or a plain attribute) must declare it once, on every rank: "
+                f"`parts.partition.register_external_parameter(module, param)`. Outside a forward, read "
+                f"it inside `with parts.partition.gathered(params):` or with parts.partition.full_state_dict")
     return (f"parts.partition: {m.describe()} is {state}; {what} cannot use it. Gather it first: "
             f"`with parts.partition.gathered(params):`, parts.partition.gather(params), or attach a "
             f"FetchCoordinator (for weights: parts.partition.full_state_dict)")
@@ -151,7 +157,7 @@ class ReleasedParameter(ShardedParameter):
         if _reads_data(func):
             p = _first_released(args, kwargs)
             if p is not None:
-                raise RuntimeError(_released_message(p, f"torch op `{_op_name(func)}`"))
+                raise RuntimeError(_released_message(p, f"torch op `{_op_name(func)}`", by_op=True))
         out = default_torch_function(func, types, args, kwargs)
         if _attr_name(func) == "data" and func.__name__ == "__get__" and not in_internal():
             p = _first_released(args, kwargs)
