@@ -1,19 +1,21 @@
-"""Whole-tensor optimizer state in sharded state dicts: the same keys on every rank.
+"""Optimizer state of full-tensor paths in sharded state dicts: the same keys on every rank.
 
 On the whole-tensor path (``parts.partition.route``) a parameter's optimizer state exists on
-its owner rank only, whole. A DCP checkpoint must still show every rank the same keys: a
-strict load (``parts.comm.dcp.load``, the integrations' checkpoints) refuses a state dict
-whose keys differ from the checkpoint's, and at another world size a parameter's owner
-changes. So every rank's dict holds every owned parameter's state under the same keys:
+its owner rank only, whole; on the replicated path every rank holds it whole. A DCP checkpoint
+must still show every rank the same keys: a strict load (``parts.comm.dcp.load``, the
+integrations' checkpoints) refuses a state dict whose keys differ from the checkpoint's, and
+at another world size a parameter's owner changes. So every rank's dict holds the state of
+every such parameter under the same keys:
 
-- a state tensor of one or more dimensions is a ``ShardView`` of its full shape: on the owner
-  one segment covering it all (its ``holder`` is the state tensor), elsewhere no segment, so
-  the owner alone writes it and whoever owns it at load reads it whole;
-- a scalar (``step``, a 0-dim tensor, a float) is the owner's value on every rank, so DCP's
-  one replicated copy is the owner's.
+- a state tensor of one or more dimensions is a ``ShardView`` of its full shape: on a rank that
+  holds the state one segment covering it all (its ``holder`` is the state tensor), elsewhere no
+  segment. So the holders write it (DCP keeps one copy of what several ranks write alike) and
+  whoever holds the parameter's state at load (its owner, or every rank) reads it whole;
+- a scalar (``step``, a 0-dim tensor, a float) is a holder's value on every rank, so DCP's
+  one replicated copy is that value.
 
 The keys, shapes and scalars come from one exchange of small objects over the optimizer's
-group (``all_gather_objects``); no state tensor leaves its owner.
+group (``all_gather_objects``); no state tensor leaves its rank.
 """
 
 from __future__ import annotations
@@ -45,19 +47,21 @@ def _view(spec: tuple, own: Any, device: torch.device, name: str) -> ShardView:
 
 
 def owned_state(stepper: Any, named: list[tuple[int, str, Any]], state: Mapping[int, Any]) -> dict[str, dict]:
-    """FQN -> state entry of every whole-path parameter with state, the same keys on every rank.
+    """FQN -> state entry of every parameter the stepper holds that has state on some rank, the same
+    keys on every rank.
 
     ``named``: (index in the optimizer's state dict, FQN, record) of each parameter the stepper
     holds; ``state``: the optimizer's ``state_dict()["state"]`` on this rank."""
     mine, specs = {}, {}
-    for i, fqn, record in named:
+    for i, fqn, _ in named:
         entry = state.get(i)
-        if entry and stepper.owns(record):
+        if entry:
             mine[fqn] = entry
             specs[fqn] = {k: _spec(v) for k, v in entry.items()}
     every: dict[str, dict] = {}
     for theirs in all_gather_objects(specs, stepper.info.group):
-        every.update(theirs)
+        for fqn, spec in theirs.items():
+            every.setdefault(fqn, spec)
     out = {}
     for _, fqn, record in named:
         if fqn in every:
@@ -67,9 +71,12 @@ def owned_state(stepper: Any, named: list[tuple[int, str, Any]], state: Mapping[
     return out
 
 
-def held_elsewhere(stepper: Any, record: Any) -> bool:
-    """True if ``record``'s parameter is stepped whole by another rank (its entry here is a placeholder)."""
-    return stepper is not None and id(record) in stepper.by_record and not stepper.owns(record)
+def held_elsewhere(optimizer: Any, stepper: Any, record: Any) -> bool:
+    """True if the stepper holds ``record``'s parameter and this rank has no state for it (another
+    rank steps it: its entry here is a placeholder)."""
+    if stepper is None or id(record) not in stepper.by_record:
+        return False
+    return not optimizer.state.get(stepper.by_record[id(record)])
 
 
 def any_rank_has_state(stepper: Any, mine: bool) -> bool:

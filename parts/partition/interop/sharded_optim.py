@@ -5,9 +5,10 @@ included) the dict is what torch's ``get_optimizer_state_dict`` gives FSDP2 user
 ``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``. A state
 tensor sized like the shard (``exp_avg``...) is a ``ShardView`` of the global parameter
 shape over this rank's real elements; scalars (``step``) are replicated values. An optimizer on the whole-tensor path
-(``parts.partition.route``) keeps each parameter's state on its owner only: every rank's dict
-has the same keys, the owner's views holding the state whole (``owned_state``), and a load at
-any world size reads it on the parameter's owner then. An
+(``parts.partition.route``) keeps each parameter's state whole on its owner only (the replicated
+path: on every rank): every rank's dict has the same keys, the views of the ranks that hold the
+state covering it whole (``owned_state``), and a load at any world size reads it where the
+parameter's state is held then. An
 optimizer with no state yet (just built, about to load) first takes one step with
 learning rate 0 and zero grads, as torch's ``get_optimizer_state_dict`` does, so that
 every state tensor exists for ``dcp.load`` to fill (weights are unchanged by it).
@@ -129,7 +130,7 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
         entry = torch_sd["state"].get(i)
         if entry and fqn not in held:
             state[fqn] = {k: _state_value(v, record, f"{fqn}.{k}") for k, v in entry.items()}
-    if whole:  # whole-tensor state: held by owners, the same keys on every rank
+    if whole:  # full-tensor state: held whole by owners (or every rank), the same keys on every rank
         state.update(owned_state(stepper, whole, torch_sd["state"]))
     groups, offset = [], 0
     for g in torch_sd["param_groups"]:
@@ -205,6 +206,6 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     stepper = stepper_of(optimizer)
     torch_sd = {"state": {index[fqn]: {k: _loaded_value(v, f"'{fqn}.{k}'") for k, v in entry.items()}
                           for fqn, entry in state["state"].items()
-                          if not held_elsewhere(stepper, fqns[index[fqn]][1])},
+                          if not held_elsewhere(optimizer, stepper, fqns[index[fqn]][1])},
                 "param_groups": _groups_for(list(state["param_groups"]), fqns, optimizer)}
     optimizer.load_state_dict(torch_sd)
