@@ -167,6 +167,38 @@ def _dcp_load(tmp: str) -> None:
         _steps(model, opt, "cpu", steps=1)
 
 
+def _whole_model() -> tuple:
+    model = _model()
+    attach(model)
+    matrices = [t for t in shards(model) if t.ndim == 2]
+    return model, torch.optim.Muon(matrices, lr=2e-2)  # the whole-tensor path: owners hold the state
+
+
+def _whole_save(tmp: str) -> None:
+    """A checkpoint and a full optimizer state of a whole-path optimizer (at world 1, as ``_dcp_save``)."""
+    from parts.comm import dcp
+    from parts.partition import full_optimizer_state_dict, sharded_optimizer_state_dict
+    model, opt = _whole_model()
+    _steps(model, opt, "cpu", steps=1)
+    dcp.save({"optim": sharded_optimizer_state_dict(model, opt)}, checkpoint_id=tmp)
+    torch.save(full_optimizer_state_dict(model, opt), f"{tmp}.pt")
+
+
+def _whole_resume(tmp: str) -> None:
+    """A fresh whole-path optimizer loads the checkpoint, steps, then loads the full state."""
+    from parts.comm import dcp
+    from parts.partition import (load_full_optimizer_state_dict, load_sharded_optimizer_state_dict,
+                                 sharded_optimizer_state_dict)
+    model, opt = _whole_model()
+    full = torch.load(f"{tmp}.pt", weights_only=True)
+    with default_device("meta"):
+        state = {"optim": sharded_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=tmp)
+        load_sharded_optimizer_state_dict(model, opt, state["optim"])
+        _steps(model, opt, "cpu", steps=1)
+        load_full_optimizer_state_dict(model, opt, full)
+
+
 def _objects() -> None:
     from parts.comm import all_gather_objects, broadcast_object
     with default_device("meta"):
@@ -183,7 +215,8 @@ def _cpu_steps() -> None:
 
 
 CPU = {"offload_step_in_backward": _offload_step_in_backward, "dcp_load_at_world_2": _dcp_load,
-       "objects": _objects, "step_clip_debug": _cpu_steps}
+       "objects": _objects, "step_clip_debug": _cpu_steps, "whole_path_resume_at_world_2": _whole_resume}
+SAVED_FIRST = {"dcp_load_at_world_2": _dcp_save, "whole_path_resume_at_world_2": _whole_save}
 
 
 def _check(out: dict) -> None:
@@ -206,9 +239,9 @@ def test_hybrid_layout_keeps_every_collective_on_the_comm_device():
 @pytest.mark.parametrize("name", sorted(CPU))
 def test_default_device_scenario_keeps_every_collective_on_the_comm_device(name, tmp_path):
     body, tmp = CPU[name], str(tmp_path)
-    if name == "dcp_load_at_world_2":
+    if name in SAVED_FIRST:
         with fake_group(1):
-            _dcp_save(tmp)
+            SAVED_FIRST[name](tmp)
     with fake_group(2):
         _check(run_scenario(Audit("cpu"), (lambda: body(tmp)) if name != "objects" and name != "step_clip_debug"
                             else body, "cpu"))
