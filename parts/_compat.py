@@ -200,3 +200,8 @@ def never_compiled(fn: Callable, reason: str) -> Callable:
     run._torchdynamo_disable, run._torchdynamo_disable_msg = True, reason
     run._torchdynamo_orig_callable = fn
     return run
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (torch keeps the accessor private)."""
+    return dist.distributed_c10d._get_default_store()

@@ -19,6 +19,10 @@ file it reads against the manifest, reads ``.metadata`` without running code fro
 (``strict``, the default) refuses a state dict whose keys differ from the checkpoint's, naming
 the missing and unexpected keys.
 
+``async_save`` (``parts.comm.async_save``) returns once this rank's state is copied to host
+memory and writes and commits the same transaction in a background thread; ``wait()`` on the
+``AsyncSave`` it returns (or the next ``async_save``) raises its error.
+
 ``ShardView`` (``parts.comm.shard_view``): the storage-less view of this rank's pieces of a
 global tensor that DCP saves from and loads into; ``settle`` gives deferred (stored)
 segments back to their store, as ``save``/``load`` do when they finish.
@@ -128,11 +132,20 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
 def _save(state_dict: dict[str, Any], ranks: _Ranks, writer: dcp.StorageWriter,
           planner: Optional[dcp.SavePlanner], staged: Optional[tuple[Path, Path]]) -> dcp.Metadata:
     """DCP's save steps, agreed; with ``staged`` (staging, target) sealed and committed."""
+    planner, plans, metadata = plan_save(lambda: _plain(state_dict), ranks, writer, planner)
+    return ranks.central("write", lambda: write_local(writer, planner, plans[ranks.rank], staged, ranks.rank),
+                         lambda every: finish_save(writer, metadata, every, staged))
+
+
+def plan_save(plain: Callable[[], dict[str, Any]], ranks: _Ranks, writer: dcp.StorageWriter,
+              planner: Optional[dcp.SavePlanner]) -> tuple[dcp.SavePlanner, list, dcp.Metadata]:
+    """DCP's planning step, agreed: the planner, every rank's final plan and (on rank 0) the
+    checkpoint's metadata. ``plain()`` (the state dict DCP sees) runs inside the agreed step."""
     planner = planner or dcp.DefaultSavePlanner()
-    plain, metadata = _plain(state_dict), []
+    metadata = []
 
     def local_plan() -> Any:
-        planner.set_up_planner(plain, writer.storage_meta(), ranks.is_coordinator)
+        planner.set_up_planner(plain(), writer.storage_meta(), ranks.is_coordinator)
         if _accepts_kwargs(writer.set_up_storage_writer):
             writer.set_up_storage_writer(ranks.is_coordinator, rank=ranks.rank, use_collectives=True)
         else:
@@ -145,26 +158,33 @@ def _save(state_dict: dict[str, Any], ranks: _Ranks, writer: dcp.StorageWriter,
         return writer.prepare_global_plan(plans)
 
     plans = ranks.central("plan", local_plan, global_plan)
+    return planner, plans, (metadata[0] if metadata else None)
 
-    def write() -> Any:
-        try:
-            futures = writer.write_data(planner.finish_plan(plans[ranks.rank]), planner)
-            futures.wait()
-            results = futures.value()
-        except Exception as exc:
-            if staged:  # name the files: an OSError of torch's serializer names none
-                raise files.write_failed(staged[0], ranks.rank, exc) from exc
-            raise
-        return results, (files.digests(staged[0], files.written_files(results)) if staged else {})
 
-    def finish(every: list) -> Any:
-        writer.finish(metadata=metadata[0], results=[results for results, _ in every])
-        if staged:
-            files.seal(staged[0], {name: d for _, digests in every for name, d in digests.items()})
-            files.commit(*staged)
-        return metadata[0]
+def write_local(writer: dcp.StorageWriter, planner: dcp.SavePlanner, plan: Any,
+                staged: Optional[tuple[Path, Path]], rank: int) -> tuple[list, dict]:
+    """This rank's files of the checkpoint: DCP's write results and (into a staging folder)
+    each file's digest. Local file IO only: no collective."""
+    try:
+        futures = writer.write_data(planner.finish_plan(plan), planner)
+        futures.wait()
+        results = futures.value()
+    except Exception as exc:
+        if staged:  # name the files: an OSError of torch's serializer names none
+            raise files.write_failed(staged[0], rank, exc) from exc
+        raise
+    return results, (files.digests(staged[0], files.written_files(results)) if staged else {})
 
-    return ranks.central("write", write, finish)
+
+def finish_save(writer: dcp.StorageWriter, metadata: dcp.Metadata, every: list,
+                staged: Optional[tuple[Path, Path]]) -> dcp.Metadata:
+    """Rank 0, once every rank wrote (``every``: their ``write_local`` results): DCP's metadata,
+    then, into a directory, the manifest and the commit."""
+    writer.finish(metadata=metadata, results=[results for results, _ in every])
+    if staged:
+        files.seal(staged[0], {name: d for _, digests in every for name, d in digests.items()})
+        files.commit(*staged)
+    return metadata
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
@@ -263,3 +283,16 @@ def _reader(reader: Optional[dcp.StorageReader], checkpoint_id: Any) -> dcp.Stor
     if checkpoint_id is not None:
         reader.reset(checkpoint_id)
     return reader
+
+
+def async_save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
+               storage_writer: Optional[dcp.StorageWriter] = None, planner: Optional[dcp.SavePlanner] = None,
+               group: GroupArg = None) -> Any:
+    """``save`` that returns once this rank's state is copied to host memory and writes and
+    commits in a background thread; returns an ``AsyncSave`` (``wait()``, ``result()``, ``done()``).
+
+    A second ``async_save`` waits for the previous one and raises its error if it failed, as
+    ``wait()`` does; see ``parts.comm.async_save``."""
+    from parts.comm.async_save import async_save as start  # the module builds on this one
+    return start(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                 group=group)
