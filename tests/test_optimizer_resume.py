@@ -153,12 +153,45 @@ def _assert_close(got: dict, expected: dict, where: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fresh_optimizer_resumes_at_world_3_and_2_as_six_uninterrupted_steps(tmp_path: Path, kind: str) -> None:
+    if kind.startswith("transformers"):
+        pytest.importorskip("transformers")
     run(2, save_body, str(tmp_path), kind, timeout=120)
     expected = reference(kind)
     for world in (3, 2):
         for how in ("dcp", "full"):
             _assert_close(run(world, resume_body, str(tmp_path), kind, how, timeout=120)[0], expected,
                           f"{kind} saved at world 2, resumed at world {world} through {how}")
+
+
+def hybrid_body(path: str, kind: str) -> dict[str, torch.Tensor]:
+    """A fresh 2 x 2 hybrid model (shard groups of 2, two replicas) loads the full state global rank 0
+    read (the others pass None), then steps to STEPS."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parts.partition import (attach, full_state_dict, load_full_optimizer_state_dict, load_full_state_dict,
+                                 partition_module, shards)
+    restore = _ns_in_grad_dtype([])
+    try:
+        torch.manual_seed(1)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = partition_module(Shapes().double(), mesh=mesh)
+        attach(model)
+        opts = optimizers(kind, shards(model))
+        full = torch.load(os.path.join(path, "full.pt"), weights_only=True) if dist.get_rank() == 0 else None
+        load_full_state_dict(model, full["model"] if full else None)
+        for i, o in enumerate(opts):
+            load_full_optimizer_state_dict(model, o, full["optim"][i] if full else None)
+        _steps(model, opts, range(SAVE_AFTER, STEPS))
+        return full_state_dict(model, rank0_only=False)
+    finally:
+        restore()
+
+
+def test_a_full_optimizer_state_from_global_rank_0_resumes_a_2x2_hybrid_layout(tmp_path: Path) -> None:
+    run(2, save_body, str(tmp_path), "muon+adamw", timeout=120)
+    expected = reference("muon+adamw")
+    for got in run(4, hybrid_body, str(tmp_path), "muon+adamw", timeout=120):
+        _assert_close(got, expected, "muon+adamw saved at world 2, resumed on a 2 x 2 hybrid layout")
 
 
 class NestedMuonAdamW(torch.optim.Optimizer):

@@ -12,8 +12,9 @@ and tests: a resumable checkpoint at any world size is ``sharded_optimizer_state
 which never holds a whole state tensor on one rank.
 
 ``load_full_optimizer_state_dict(model, optimizer, state)`` is the way back, at any world size
-and into a fresh optimizer: rank 0's ``state`` (of the parameters' shard group: where
-``full_optimizer_state_dict`` leaves it; other ranks pass ``None``) is sent one state tensor at
+and into a fresh optimizer: rank 0's ``state`` (of the parameters' shard group, where
+``full_optimizer_state_dict`` leaves it; of the first replica's in a hybrid layout; other ranks
+pass ``None``) is sent one state tensor at
 a time (a broadcast), each rank keeps its part of it in the views of
 ``sharded_optimizer_state_dict`` (its real shard elements; the whole tensor on the owner of a
 whole-path parameter) and installs them with ``load_sharded_optimizer_state_dict``.
@@ -124,9 +125,15 @@ def _layout(state: Any, template: dict) -> tuple[Optional[str], dict, list]:
     if unknown or wrong:
         return (f"{_WHAT}: the state does not fit the optimizer: state for parameters it does not step "
                 f"{unknown}; state keys only one of the saved state and the optimizer's has: {wrong}"), {}, []
-    specs = {fqn: {k: ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() >= 1 else ("value", v)
-                   for k, v in entry.items()} for fqn, entry in state["state"].items()}
+    specs = {fqn: {k: _spec(v) for k, v in entry.items()} for fqn, entry in state["state"].items()}
     return None, specs, [dict(g) for g in state["param_groups"]]
+
+
+def _spec(value: Any) -> tuple:
+    """A state tensor's shape and dtype (it is sent by a broadcast), or the scalar itself (in the object)."""
+    if torch.is_tensor(value) and value.dim() >= 1:
+        return ("tensor", tuple(value.shape), value.dtype)
+    return ("value", to_host(value.detach()) if torch.is_tensor(value) else value)
 
 
 def _fill(target: Any, full: torch.Tensor) -> Any:
@@ -143,26 +150,49 @@ def _fill(target: Any, full: torch.Tensor) -> Any:
     return target
 
 
+class _Source:
+    """Sends from the loading rank (rank 0 of the shard group; of the first replica's, in a hybrid layout)
+    to every rank: across replicas between the groups' rank 0, then within each group."""
+
+    def __init__(self, records: dict[str, ParamMeta]) -> None:
+        self.info = _info(records)
+        self.replica = getattr(next(iter(records.values())), "replica", None) if records else None
+        self.loads = self.info.rank == 0 and (self.replica is None or self.replica.rank == 0)
+
+    def object(self, make: Any) -> Any:
+        """``make()`` on the loading rank, sent to every rank."""
+        obj = make() if self.loads else None
+        if self.replica is not None and self.info.rank == 0:
+            obj = broadcast_object(obj, 0, self.replica.group)
+        return broadcast_object(obj, 0, self.info.group) if self.info.world_size > 1 else obj
+
+    def tensor(self, value: Optional[torch.Tensor], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The loading rank's ``value`` on every rank (on the communication device)."""
+        device = comm_device(self.info)
+        full = value.detach().to(device, dtype).contiguous() if self.loads else \
+            torch.empty(shape, dtype=dtype, device=device)
+        if self.replica is not None and self.info.rank == 0:
+            broadcast(full, 0, self.replica)
+        broadcast(full, 0, self.info)
+        return full
+
+
 @internal
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                    state: Optional[Mapping[str, Any]]) -> None:
     """Load rank 0's full optimizer ``state`` (``full_optimizer_state_dict``'s layout) into ``optimizer``
     over ``shards(model)``, at any world size (a collective; other ranks may pass ``None``)."""
     template = sharded_optimizer_state_dict(model, optimizer)  # views of this rank's parts (state made if none)
-    info = _info(_records(model))
-    error, specs, groups = broadcast_object(_layout(state, template) if info.rank == 0 else None, 0, info.group) \
-        if info.world_size > 1 else _layout(state, template)
+    source = _Source(_records(model))
+    error, specs, groups = source.object(lambda: _layout(state, template))
     if error:
         raise ValueError(error)
     loaded: dict[str, dict] = {}
     for fqn, entry in specs.items():
         loaded[fqn] = {}
         for key, (kind, *spec) in entry.items():
-            if kind != "tensor":
-                loaded[fqn][key] = spec[0]
-                continue
-            full = to_comm(state["state"][fqn][key].detach(), info) if info.rank == 0 else \
-                torch.empty(spec[0], dtype=spec[1], device=comm_device(info))
-            broadcast(full, 0, info)
-            loaded[fqn][key] = _fill(template["state"][fqn][key], full)
+            if kind == "tensor":
+                full = source.tensor(state["state"][fqn][key] if source.loads else None, *spec)
+                spec = [_fill(template["state"][fqn][key], full)]
+            loaded[fqn][key] = spec[0]
     load_sharded_optimizer_state_dict(model, optimizer, {"state": loaded, "param_groups": groups})
