@@ -3,7 +3,7 @@ optimizer and a broad list from ``pytorch_optimizer``, each with the way it is s
 
 ``catalogue_body(names)`` runs on the harness ranks: for each optimizer it trains the same model in
 one process and sharded, ``STEPS`` steps in float64, and returns, per name, either the relative
-error (max |difference| / max |movement|) or the refusal's message.
+error (max |difference| / max |movement|) or the refusal's message, and the path taken.
 """
 
 from __future__ import annotations
@@ -66,7 +66,23 @@ class MuonAdamW(torch.optim.Optimizer):
                 p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-group["lr"])
 
 
-def _torch_specs() -> dict[str, Factory]:
+class GlobalNormSGD(torch.optim.Optimizer):
+    """A user's class: SGD on grads divided by their norm over all parameters (couples every tensor)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / norm, alpha=-group["lr"])
+
+
+def torch_specs() -> dict[str, Factory]:
     o = torch.optim
     return {
         "SGD": lambda p: o.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2),
@@ -91,7 +107,7 @@ def _torch_specs() -> dict[str, Factory]:
     }
 
 
-def _po_specs() -> dict[str, Factory]:
+def po_specs() -> dict[str, Factory]:
     names = ("A2Grad AccSGD AdaBelief AdaBound AdaDelta AdaFactor AdaGC Adai Adalite AdaMax AdamC AdamG AdaMod "
              "AdamP AdamS AdamWSN Adan AdaNorm AdaPNM AdaSmooth AdaTAM AdEMAMix ADOPT AggMo Aida Alice "
              "Amos Ano APOLLO ApolloDQN AvaGrad BCOS CAME Conda DAdaptAdaGrad DAdaptAdam DAdaptAdan DAdaptLion "
@@ -125,7 +141,6 @@ def _po_specs() -> dict[str, Factory]:
         "po.DAdaptSGD": lambda p: _po().DAdaptSGD(p, d0=1e-3),
         "po.Lookahead(AdamW)": lambda p: _po().Lookahead(torch.optim.AdamW(p, lr=1e-2), k=2),
         "po.Lookahead(Adafactor)": lambda p: _po().Lookahead(torch.optim.Adafactor(p, lr=1e-2), k=2),
-        "MuonAdamW (user class)": MuonAdamW,
     })
     return specs
 
@@ -139,9 +154,14 @@ MODES = {"LBFGS": "closure", "LBFGS(strong_wolfe)": "closure", "SGD(closure)": "
 that keeps its graph for a Hessian estimate (``create_graph=True``)."""
 
 
+def user_specs() -> dict[str, Factory]:
+    """Optimizers users write themselves."""
+    return {"MuonAdamW (user class)": MuonAdamW, "GlobalNormSGD (user class)": GlobalNormSGD}
+
+
 def specs() -> dict[str, Factory]:
     """Every catalogued optimizer by name."""
-    return {**_torch_specs(), **_po_specs()}
+    return {**torch_specs(), **user_specs(), **po_specs()}
 
 
 def _full_rank(params: list) -> tuple[list, list]:
@@ -194,12 +214,14 @@ def _step(name: str, model: torch.nn.Module, opts: list, x: torch.Tensor) -> Non
         o.step((lambda: loss) if mode == "loss" else None)
 
 
-def _train(name: str, model: torch.nn.Module, params: list, rank: Any, world: int, path: Any = None) -> None:
+def _train(name: str, model: torch.nn.Module, params: list, rank: Any, world: int, path: Any = None) -> list:
+    """The optimizers of ``name`` after ``STEPS`` steps of ``model``."""
     opts = _optimizers(name, params, path)
     for step in range(STEPS):
         _step(name, model, opts, _batch(step, rank, world))
         for o in opts:
             o.zero_grad()
+    return opts
 
 
 def _seed(seed: int) -> None:
@@ -210,9 +232,10 @@ def _seed(seed: int) -> None:
         sys.modules["numpy"].random.seed(seed)
 
 
-def _compare(name: str, rank: int, world: int, path: Any = None) -> Any:
-    """The relative error of ``name`` sharded against one process, or the message it was refused with."""
-    from parts.partition import attach, detach, full_state_dict, partition_module, shards
+def _compare(name: str, rank: int, world: int, path: Any = None) -> tuple[Any, Any]:
+    """(The relative error of ``name`` sharded against one process, or the message it was refused with;
+    the path its first optimizer took)."""
+    from parts.partition import attach, detach, full_state_dict, partition_module, route, shards
     torch.manual_seed(0)
     reference = Shapes().to(DTYPE)
     start = {k: v.detach().clone() for k, v in reference.state_dict().items()}
@@ -226,19 +249,20 @@ def _compare(name: str, rank: int, world: int, path: Any = None) -> Any:
     attach(model)
     _seed(1)
     try:
-        _train(name, model, shards(model), rank, world, path)
+        taken = route(_train(name, model, shards(model), rank, world, path)[0])
     except Exception as error:  # a refusal: every rank raises it before any collective of the step
-        return f"{type(error).__name__}: {error}"
+        return f"{type(error).__name__}: {error}", None
     finally:
         got = full_state_dict(model, rank0_only=False)
         detach(model)
     moved = max(float((v - start[k]).abs().max()) for k, v in reference.state_dict().items())
     if failed or moved < 1e-6:
-        return failed or f"the one-process model did not move ({moved:.1e})"
-    return max(float((got[k] - v).abs().max()) for k, v in reference.state_dict().items()) / moved
+        return failed or f"the one-process model did not move ({moved:.1e})", taken
+    return max(float((got[k] - v).abs().max()) for k, v in reference.state_dict().items()) / moved, taken
 
 
-def catalogue_body(names: list[str], path: Any = None) -> dict[str, Any]:
-    """Per name: the relative error of the sharded run (routed to ``path`` if named), or its refusal's message."""
+def catalogue_body(names: list[str], path: Any = None) -> dict[str, tuple[Any, Any]]:
+    """Per name: (the relative error of the sharded run (routed to ``path`` if named), or its refusal's
+    message; the path taken)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     return {name: _compare(name, rank, world, path) for name in names}

@@ -36,6 +36,7 @@ from parts.partition.core.compression import compressed_grads, reduce_compressed
 from parts.partition.core.grad_guard import follow_requires_grad
 from parts.partition.core.param import alloc, common_info, internal, is_partitioned, meta, metas_sorted
 from parts.partition.core.replicas import before_landing
+from parts.partition.core.steps import watch
 
 _FULL_PRECISION = (torch.float32, torch.float64)
 
@@ -202,5 +203,6 @@ def shards(module_or_params: Union[nn.Module, Iterable[nn.Parameter]]) -> list[t
                             f"plain optimizer would silently skip them. Use parts.optim.BF16Optimizer "
                             f"(fp32 master) or step meta(p).shard with meta(p).grad_shard yourself")
         follow_requires_grad(m.shard, p.requires_grad)
+        watch(m.shard, m)  # an optimizer's path, settled before any gather, finds the record of a plain shard
         out.append(shaped_shard(m) if len(m.shape) >= 2 else m.shard)
     return out
