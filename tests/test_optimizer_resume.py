@@ -1,9 +1,10 @@
-"""Every optimizer path resumes into a fresh, never-stepped optimizer: saved at world 2 after 3 steps,
-resumed at world 3 and at world 2 (a fresh model, fresh optimizers, a new harness call), 3 more
-steps equal 6 uninterrupted steps of one process in float64. Through DCP with
-``load_sharded_optimizer_state_dict``, through ``full_optimizer_state_dict`` /
-``load_full_optimizer_state_dict``, through accelerate's ``save_state`` / ``load_state``; the
-drop-in Trainer's ``resume_from_checkpoint`` is in test_optimizer_resume_trainer.py."""
+"""Every optimizer path (shard, whole, replicated) resumes into a fresh, never-stepped optimizer:
+saved at world 2 after 3 steps, resumed at world 3 and at world 2 (a fresh model, fresh
+optimizers, a new harness call), 3 more steps equal 6 uninterrupted steps of one process in
+float64. Through DCP with ``load_sharded_optimizer_state_dict``, through
+``full_optimizer_state_dict`` / ``load_full_optimizer_state_dict``, through accelerate's
+``save_state`` / ``load_state``; the drop-in Trainer's ``resume_from_checkpoint`` is in
+test_optimizer_resume_trainer.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from harness import RankFailure, run
 from test_whole_optim import Shapes, _data, _ns_in_grad_dtype
 
 SAVE_AFTER, STEPS, RTOL = 3, 6, 1e-9
-KINDS = ["muon+adamw", "muon+adamw in one", "torch adafactor", "transformers adafactor", "adamw"]
+PATHS = {"muon+adamw": ["whole", "shard"], "muon+adamw in one": ["whole"], "torch adafactor": ["whole"],
+         "transformers adafactor": ["whole"], "adamw": ["shard"], "global-norm sgd": ["replicated"]}
+KINDS = ["muon+adamw", "muon+adamw in one", "torch adafactor", "transformers adafactor", "adamw",
+         "global-norm sgd"]
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -46,6 +50,29 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw.step()
 
 
+class GlobalNormSGD(torch.optim.Optimizer):
+    """Momentum SGD on grads divided by the global grad norm: its update couples every tensor (the
+    replicated path), with a tensor and a scalar of state per parameter."""
+
+    def __init__(self, params, lr: float = 1e-2, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.sqrt(sum((g * g).sum() for g in grads)).clamp(min=1e-12)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"], state["m"] = torch.tensor(0.0, dtype=torch.float64), torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(group["momentum"]).add_(p.grad / norm)
+                p.add_(state["m"], alpha=-group["lr"])
+
+
 def optimizers(kind: str, leaves: list) -> list[torch.optim.Optimizer]:
     """The optimizers of ``kind`` over ``leaves`` (``shards(model)`` or a plain model's parameters)."""
     two, rest = [t for t in leaves if t.ndim == 2], [t for t in leaves if t.ndim != 2]
@@ -55,6 +82,8 @@ def optimizers(kind: str, leaves: list) -> list[torch.optim.Optimizer]:
         return [MuonAdamW(leaves)]
     if kind == "torch adafactor":
         return [torch.optim.Adafactor(leaves, lr=1e-2)]
+    if kind == "global-norm sgd":
+        return [GlobalNormSGD(leaves)]
     if kind == "transformers adafactor":
         from transformers.optimization import Adafactor
         return [Adafactor(leaves, lr=1e-2, relative_step=False)]  # scale_parameter: the tensor's RMS
@@ -87,6 +116,8 @@ def _fresh(kind: str, seed: int) -> tuple:
     opts = optimizers(kind, shards(model))
     if kind == "muon+adamw in one":
         route(opts[0], "whole")  # Muon needs whole matrices, and AdamW is exact on them too
+    paths = [route(o) for o in opts]
+    assert paths == PATHS[kind], (kind, paths)
     return model, opts
 
 
