@@ -83,6 +83,13 @@ def _released_message(p: torch.Tensor, what: str, by_op: bool = False) -> str:
             f"FetchCoordinator (for weights: parts.partition.full_state_dict)")
 
 
+_COPY_ADVICE = (". For an average of the weights (torch.optim.swa_utils.AveragedModel: EMA, SWA), average an "
+                "unsharded model: build the same class outside partitioned(), load "
+                "parts.partition.full_state_dict(model, rank0_only=False) into it, wrap that in AveragedModel, "
+                "and update it with the full weights: `with parts.partition.gathered(list(model.parameters())): "
+                "ema.update_parameters(model)`")
+
+
 def _first_released(args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
     """The first not-AVAILABLE sharded parameter among the arguments (lists one level deep)."""
     for a in (*args, *kwargs.values()):
@@ -172,7 +179,7 @@ class ReleasedParameter(ShardedParameter):
         return f"ReleasedParameter({what})"
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise RuntimeError(_released_message(self, "copy.deepcopy"))
+        raise RuntimeError(_released_message(self, "copy.deepcopy") + _COPY_ADVICE)
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise RuntimeError(_released_message(self, "pickling"))
