@@ -4,14 +4,14 @@ For any torch optimizer over ``shards(model)`` (``parts.offload.OffloadedOptimiz
 included) the dict is what torch's ``get_optimizer_state_dict`` gives FSDP2 users:
 ``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``. A state
 tensor sized like the shard (``exp_avg``...) is a ``ShardView`` of the global parameter
-shape over this rank's real elements; scalars (``step``) are replicated values. An optimizer on the whole-tensor path
-(``parts.partition.route``) keeps each parameter's state whole on its owner only (the replicated
-path: on every rank): every rank's dict has the same keys, the views of the ranks that hold the
-state covering it whole (``owned_state``), and a load at any world size reads it where the
-parameter's state is held then. An
-optimizer with no state yet (just built, about to load) first takes one step with
-learning rate 0 and zero grads, as torch's ``get_optimizer_state_dict`` does, so that
-every state tensor exists for ``dcp.load`` to fill (weights are unchanged by it).
+shape over this rank's real elements; scalars (``step``) are replicated values. An optimizer
+on the whole-tensor path (``parts.partition.route``) keeps each parameter's state whole on its
+owner only (on the replicated path: on every rank). Every rank's dict still has the same keys:
+the views of the ranks that hold the state cover it whole (``owned_state``), and a load at
+any world size reads it on the ranks that hold that parameter's state then. An optimizer with
+no state yet (just built, about to load) first takes one step with learning rate 0 and zero
+grads, as torch's ``get_optimizer_state_dict`` does, so that every state tensor exists for
+``dcp.load`` to fill (weights are unchanged by it).
 ``OffloadedOptimizer``'s state tensors stay in its store (``stored_state_dict``): their views
 are deferred, read when DCP saves them and written there when DCP loads them, one at a time.
 
@@ -90,7 +90,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a stateless optimizer its state: one step with lr 0 on zero grads (weights unchanged)."""
     has_state = any(optimizer.state.get(p) for p in _params_of(optimizer))
     stepper = stepper_of(optimizer)
-    if stepper is not None:  # owners hold the state: a rank owning nothing must not step alone
+    if stepper is not None:  # a rank that owns no parameter holds no state: the ranks decide together
         has_state = any_rank_has_state(stepper, has_state)
     if has_state:
         return
@@ -132,12 +132,17 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
             state[fqn] = {k: _state_value(v, record, f"{fqn}.{k}") for k, v in entry.items()}
     if whole:  # full-tensor state: held whole by owners (or every rank), the same keys on every rank
         state.update(owned_state(stepper, whole, torch_sd["state"]))
-    groups, offset = [], 0
-    for g in torch_sd["param_groups"]:
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
-                       "params": [fqns[offset + j][0] for j in range(len(g["params"]))]})
+    return {"state": state, "param_groups": _named_groups(torch_sd["param_groups"], fqns)}
+
+
+def _named_groups(groups: list, fqns: list[tuple[str, Any]]) -> list[dict]:
+    """torch's param groups with the FQNs of their parameters in place of the indices."""
+    out, offset = [], 0
+    for g in groups:
+        out.append({**{k: v for k, v in g.items() if k != "params"},
+                    "params": [fqns[offset + j][0] for j in range(len(g["params"]))]})
         offset += len(g["params"])
-    return {"state": state, "param_groups": groups}
+    return out
 
 
 def _check_layout(torch_sd: Any, optimizer: torch.optim.Optimizer, count: int) -> None:
