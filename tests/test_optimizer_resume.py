@@ -17,6 +17,11 @@ import torch.distributed as dist
 from harness import RankFailure, run
 from test_whole_optim import Shapes, _data, _ns_in_grad_dtype
 
+try:  # imported here, so that the harness's forked workers have it already
+    from transformers.optimization import Adafactor as TransformersAdafactor
+except ImportError:
+    TransformersAdafactor = None
+
 SAVE_AFTER, STEPS, RTOL = 3, 6, 1e-9
 PATHS = {"muon+adamw": ["whole", "shard"], "muon+adamw in one": ["whole"], "torch adafactor": ["whole"],
          "transformers adafactor": ["whole"], "adamw": ["shard"], "global-norm sgd": ["replicated"]}
@@ -85,8 +90,7 @@ def optimizers(kind: str, leaves: list) -> list[torch.optim.Optimizer]:
     if kind == "global-norm sgd":
         return [GlobalNormSGD(leaves)]
     if kind == "transformers adafactor":
-        from transformers.optimization import Adafactor
-        return [Adafactor(leaves, lr=1e-2, relative_step=False)]  # scale_parameter: the tensor's RMS
+        return [TransformersAdafactor(leaves, lr=1e-2, relative_step=False)]  # scale_parameter: the tensor's RMS
     return [torch.optim.AdamW(leaves, lr=1e-2)]
 
 
@@ -184,8 +188,8 @@ def _assert_close(got: dict, expected: dict, where: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fresh_optimizer_resumes_at_world_3_and_2_as_six_uninterrupted_steps(tmp_path: Path, kind: str) -> None:
-    if kind.startswith("transformers"):
-        pytest.importorskip("transformers")
+    if kind.startswith("transformers") and TransformersAdafactor is None:
+        pytest.skip("transformers is not installed")
     run(2, save_body, str(tmp_path), kind, timeout=120)
     expected = reference(kind)
     for world in (3, 2):
