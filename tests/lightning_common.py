@@ -58,11 +58,11 @@ def module_class() -> type:
     import lightning.pytorch as pl
 
     class TinyLM(pl.LightningModule):
-        """A tiny GPT; built in ``configure_model`` unless given; records every loss it computes."""
+        """A tiny GPT (built in ``configure_model`` unless given), AdamW or SGD; records every loss it computes."""
 
-        def __init__(self, model: Optional[torch.nn.Module] = None, lr: float = 1e-2) -> None:
+        def __init__(self, model: Optional[torch.nn.Module] = None, lr: float = 1e-2, sgd: bool = False) -> None:
             super().__init__()
-            self.lr, self.losses, self.val_losses = lr, [], []
+            self.lr, self.sgd, self.losses, self.val_losses = lr, sgd, [], []
             if model is not None:
                 self.model = model
 
@@ -86,6 +86,8 @@ def module_class() -> type:
             return self.model.generate(batch[0][:, :4], 4, top_k=1)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
+            if self.sgd:
+                return torch.optim.SGD(self.parameters(), lr=self.lr)
             return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
     return TinyLM
@@ -104,3 +106,16 @@ def checkpointing(directory: str) -> Any:
     """A ModelCheckpoint every 10 steps, keeping all of them and ``last.ckpt``."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     return ModelCheckpoint(dirpath=directory, every_n_train_steps=10, save_top_k=-1, save_last=True)
+
+
+def fit(strategy: Any, root: str, max_steps: int, ckpt_path: Any = None, save: bool = False,
+        module: Any = None, **kwargs: Any) -> Any:
+    """Seed, build the module (unless given), fit it to ``max_steps`` with checkpoints every 10 steps
+    if ``save``; return the module (its ``losses``: the steps it ran on this rank)."""
+    import lightning.pytorch as pl
+    pl.seed_everything(0, verbose=False)
+    module = module if module is not None else module_class()()
+    callbacks = [checkpointing(os.path.join(root, "checkpoints"))] if save else []
+    run = trainer(strategy, root, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=save, **kwargs)
+    run.fit(module, loader(), ckpt_path=ckpt_path)
+    return module

@@ -21,32 +21,21 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 from harness import run  # noqa: E402
-from lightning_common import checkpointing, lightning_run, loader, module_class, trainer  # noqa: E402
+from lightning_common import fit, lightning_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, RESUME_AT = 30, 20
-
-
-def _fit(strategy: object, root: str, max_steps: int, ckpt_path: object = None, save: bool = True) -> object:
-    """Seed, build the module, fit it to ``max_steps``; the module (its losses: the steps it ran here)."""
-    import lightning.pytorch as pl
-    pl.seed_everything(0, verbose=False)
-    module = module_class()()
-    callbacks = [checkpointing(os.path.join(root, "checkpoints"))] if save else []
-    fit = trainer(strategy, root, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=save)
-    fit.fit(module, loader(), ckpt_path=ckpt_path)
-    return module
 
 
 def _world2(root: str) -> dict:
     with lightning_run():
         import parts.integrations.lightning  # noqa: F401  registers "parts"
         from parts.partition import full_state_dict
-        ddp = _fit("ddp", os.path.join(root, "ddp"), STEPS).losses
+        ddp = fit("ddp", os.path.join(root, "ddp"), STEPS, save=True).losses
         step20 = os.path.join(root, "ddp", "checkpoints", f"epoch=1-step={RESUME_AT}.ckpt")
-        ddp_resumed = _fit("ddp", os.path.join(root, "ddp_resumed"), STEPS, step20, save=False).losses
-        parts_first = _fit("parts", os.path.join(root, "parts"), RESUME_AT).losses  # stopped at step 20
-        parts = _fit("parts", os.path.join(root, "parts"), STEPS, "last")
+        ddp_resumed = fit("ddp", os.path.join(root, "ddp_resumed"), STEPS, step20).losses
+        parts_first = fit("parts", os.path.join(root, "parts"), RESUME_AT, save=True).losses  # stopped at step 20
+        parts = fit("parts", os.path.join(root, "parts"), STEPS, "last", save=True)
         weights = full_state_dict(parts.model)
     return dict(ddp=ddp, ddp_resumed=ddp_resumed, parts=parts_first + parts.losses, parts_resumed=parts.losses,
                 weights=weights)
@@ -84,8 +73,8 @@ def test_a_checkpoint_is_one_dcp_folder_every_rank_writing_its_shards(world2) ->
 def _world3(root: str, world2_checkpoint: str) -> dict:
     with lightning_run():
         import parts.integrations.lightning  # noqa: F401
-        resumed = _fit("parts", os.path.join(root, "resumed"), STEPS, world2_checkpoint, save=False).losses
-        uninterrupted = _fit("parts", os.path.join(root, "uninterrupted"), STEPS, save=False).losses
+        resumed = fit("parts", os.path.join(root, "resumed"), STEPS, world2_checkpoint).losses
+        uninterrupted = fit("parts", os.path.join(root, "uninterrupted"), STEPS).losses
     return dict(resumed=resumed, uninterrupted=uninterrupted)
 
 

@@ -10,8 +10,11 @@ changes:
   (``parts.partition.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``)
   and reduced in fp32; Lightning's autocast stays around each step, so the ops it keeps in fp32
   (softmax, layer norm, the loss) run in fp32 as with Lightning's FSDP;
-- ``"bf16-true"``: bf16 shards (the model is built, or converted before it is sharded, in bf16),
-  bf16 compute and optimizer;
+- ``"bf16-true"``: everything computes in bf16 as with Lightning's ``HalfPrecision`` (weights
+  gathered as bf16, inputs and new tensors bf16, no autocast), but the shards and the optimizer
+  state stay fp32: parts steps full-precision shards only (a plain optimizer cannot take fp32
+  grad shards for bf16 shards), so the model is built and kept in fp32 and gathered through the
+  same ``MixedPrecision`` policy;
 - any other precision raises when the Trainer or Fabric is built, naming the ones that work.
 
 A model that is sharded but not yet attached is converted once the strategy attached it (then
@@ -21,8 +24,9 @@ clipping (the Trainer's ``gradient_clip_val``) goes through ``parts.integrations
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -31,7 +35,7 @@ from parts.integrations.lightning.clip import clip_by_norm, clip_by_value, is_pa
 from parts.partition import MixedPrecision
 from parts.partition.coordinator import attached_to
 
-__all__ = ["SUPPORTED", "mixed_precision_for", "adopt_precision", "PartsPrecisionMixin"]
+__all__ = ["SUPPORTED", "mixed_precision_for", "adopt_precision", "PartsPrecisionMixin", "PartsTrainerPrecisionMixin"]
 
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -42,14 +46,14 @@ def _name(plugin: Any) -> str:
 
 def mixed_precision_for(plugin: Any, given: Optional[MixedPrecision] = None) -> Optional[MixedPrecision]:
     """The ``MixedPrecision`` policy a model attaches with under ``plugin``: ``given`` (or the
-    default bf16 one) for ``"bf16-mixed"``, None for ``"32-true"`` and ``"bf16-true"``."""
+    default bf16 one) for ``"bf16-mixed"`` and ``"bf16-true"``, None for ``"32-true"``."""
     name = _name(plugin)
-    if name == "bf16-mixed":
+    if name in ("bf16-mixed", "bf16-true"):
         return given if given is not None else MixedPrecision(param_dtype=torch.bfloat16,
                                                               reduce_dtype=torch.float32)
     if given is not None:
         raise ValueError(f"parts: mixed_precision={given!r} was given to the parts strategy but "
-                         f"precision={name!r}; it applies with precision='bf16-mixed'")
+                         f"precision={name!r}; it applies with precision='bf16-mixed' or 'bf16-true'")
     return None
 
 
@@ -62,16 +66,44 @@ def _check(plugin: Any) -> None:
 
 
 class PartsPrecisionMixin:
-    """A Lightning precision plugin for a parts model: conversion after attach, clipping over grad shards."""
-
-    parts_module: Optional[nn.Module] = None  # the model clipping reads (the strategy sets it)
+    """A Lightning precision plugin for a parts model: conversion after attach, fp32 weights under ``"bf16-true"``."""
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """The plugin's conversion; a sharded model waits until it is attached (``parts.partition``'s
-        ``.to()`` converts its buffers and checks its shards then)."""
-        if is_parts_model(module) and attached_to(module) is None:
+        ``.to()`` converts its buffers and checks its shards then); ``"bf16-true"`` keeps fp32 weights."""
+        if _name(self) == "bf16-true" or (is_parts_model(module) and attached_to(module) is None):
             return module
         return super().convert_module(module)  # type: ignore[misc]
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """The plugin's; under ``"bf16-true"`` weights are made in fp32 (the shards stay fp32)."""
+        if _name(self) == "bf16-true":
+            return contextlib.nullcontext()
+        return super().tensor_init_context()  # type: ignore[misc]
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """The plugin's; under ``"bf16-true"`` weights are made in fp32 (the shards stay fp32)."""
+        if _name(self) == "bf16-true":
+            return contextlib.nullcontext()
+        return super().module_init_context()  # type: ignore[misc]
+
+
+class PartsTrainerPrecisionMixin(PartsPrecisionMixin):
+    """The Trainer's precision plugin for a parts model: also clipping over grad shards, and the
+    closure (forward, backward, clipping) run before the optimizer's ``step()``."""
+
+    parts_module: Optional[nn.Module] = None  # the model clipping reads (the strategy sets it)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Run the closure, then ``optimizer.step()``: the step's hooks see final grads (a hybrid
+        layout's deferred cross-replica mean is then sent once per step, the whole-tensor path
+        takes the last micro-batch's grads); as Lightning's AMP plugin does. LBFGS, which calls
+        its closure several times, gets it inside ``step``."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)  # type: ignore[misc]
+        result = self._wrap_closure(model, optimizer, closure)  # type: ignore[attr-defined]
+        optimizer.step(**kwargs)
+        return result
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         """Clip by the global norm over every rank's grad shards of the parameters ``optimizer`` steps."""
@@ -88,17 +120,18 @@ class PartsPrecisionMixin:
 
 
 @functools.lru_cache(maxsize=None)
-def _with_mixin(cls: type) -> type:
-    """``cls`` with ``PartsPrecisionMixin`` first in its MRO (one class per plugin class)."""
-    return type(f"Parts{cls.__name__}", (PartsPrecisionMixin, cls), {"__doc__": cls.__doc__,
-                                                                      "__module__": __name__})
+def _with_mixin(cls: type, mixin: type) -> type:
+    """``cls`` with ``mixin`` first in its MRO (one class per plugin class)."""
+    return type(f"Parts{cls.__name__}", (mixin, cls), {"__doc__": cls.__doc__, "__module__": __name__})
 
 
-def adopt_precision(plugin: Any) -> Any:
-    """Check that ``plugin``'s precision has a parts counterpart and give it ``PartsPrecisionMixin``."""
+def adopt_precision(plugin: Any, *, trainer: bool) -> Any:
+    """Check that ``plugin``'s precision has a parts counterpart and give it the parts mixin
+    (``PartsTrainerPrecisionMixin`` for the Trainer's plugins, ``PartsPrecisionMixin`` for Fabric's)."""
     if plugin is None:
         return None
     _check(plugin)
-    if not isinstance(plugin, PartsPrecisionMixin):
-        plugin.__class__ = _with_mixin(type(plugin))
+    mixin = PartsTrainerPrecisionMixin if trainer else PartsPrecisionMixin
+    if not isinstance(plugin, mixin):
+        plugin.__class__ = _with_mixin(type(plugin), mixin)
     return plugin

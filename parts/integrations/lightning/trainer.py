@@ -74,12 +74,12 @@ class PartsStrategy(DDPStrategy):
 
     @property
     def precision_plugin(self) -> Any:
-        """Lightning's precision plugin, with parts' conversion and clipping (``PartsPrecisionMixin``)."""
+        """Lightning's precision plugin, with parts' conversion, clipping and step (``PartsTrainerPrecisionMixin``)."""
         return DDPStrategy.precision_plugin.fget(self)
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Any) -> None:
-        DDPStrategy.precision_plugin.fset(self, adopt_precision(plugin))
+        DDPStrategy.precision_plugin.fset(self, adopt_precision(plugin, trainer=True))
 
     # ---------------------------------------------------------------- construction
     @contextlib.contextmanager
