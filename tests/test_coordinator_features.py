@@ -234,11 +234,9 @@ def test_debug_mode_names_the_first_divergent_module():
     with pytest.raises(RankFailure, match="RankDivergence") as info:
         run(2, _diverging_ranks, timeout=60, persistence_threshold=0)
     assert "blocks.1" in str(info.value) and "blocks.2" in str(info.value)
-    # all persistent (defaults): the blocks fetch nothing, so no collective tells them apart; the
-    # first one that differs is the reduce-scatter (flat on rank 0, per parameter on rank 1)
-    with pytest.raises(RankFailure, match="RankDivergence") as info:
-        run(2, _diverging_ranks, timeout=60)
-    assert "rank 0 is at a reduce-scatter of" in str(info.value)
+    # all persistent (defaults): the blocks fetch nothing, and rank 1 reduces zeros for the grads of
+    # the block it skipped (uneven.py): the ranks' collectives are the same, nothing to name
+    run(2, _diverging_ranks, timeout=60)
 
 
 SMALL = dict(persistence_threshold=600, prefetch_bucket_size=3000, reduce_bucket_size=0)

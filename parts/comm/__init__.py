@@ -11,7 +11,7 @@ a small module of its domain collectives on top of this; nothing else in ``parts
 """
 
 from parts.comm.collectives import (ReduceOp, all_reduce_async, group_key, all_gather, all_gather_list, all_gather_many,
-                                    all_reduce, all_to_all, broadcast, comm_device, min_max, new_group,
+                                    all_reduce, all_to_all, broadcast, comm_device, max_everywhere, min_max, new_group,
                                     reduce_scatter, reduce_scatter_many, same_everywhere)
 from parts.comm.agree import RankDisagreement, agree
 from parts.comm import exit as _exit  # noqa: F401  (process groups end at interpreter exit)
@@ -34,7 +34,8 @@ __all__ = [
     "require_distributed", "is_distributed", "global_rank", "env_world_size", "hybrid_groups",
     "CommCounter", "comm_counter", "wire_bytes",
     "ReduceOp", "all_gather_many", "reduce_scatter_many", "all_gather", "reduce_scatter",
-    "all_reduce", "all_reduce_async", "all_to_all", "same_everywhere", "min_max", "broadcast", "broadcast_object",
+    "all_reduce", "all_reduce_async", "all_to_all", "same_everywhere", "max_everywhere", "min_max", "broadcast",
+    "broadcast_object",
     "all_gather_objects", "all_gather_list",
     "new_group", "comm_device", "declared_comm_device", "comm_tensor", "to_comm", "to_host", "torch_algorithms",
     "gloo_algorithms", "group_key", "all_gather_direct", "reduce_scatter_consuming",

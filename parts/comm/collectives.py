@@ -197,6 +197,16 @@ def same_everywhere(code: int, info: GroupInfo) -> bool:
     return int(both[0]) == -int(both[1])
 
 
+def max_everywhere(values: list[int], info: GroupInfo) -> list[int]:
+    """The element-wise maximum of the int64 ``values`` over the group: one all-reduce, counted as
+    a ``check`` (not model traffic)."""
+    t = torch.tensor(values, dtype=torch.int64, device=comm_device(info))
+    _count("check", 2 * wire_bytes(_nbytes(t), info.world_size) // max(info.world_size, 1), info)
+    if info.world_size > 1:
+        dist.all_reduce(t, op=ReduceOp.MAX, group=info.group)
+    return to_host(t).tolist()
+
+
 def all_reduce_async(t: torch.Tensor, info: GroupInfo, op: ReduceOp.RedOpType = ReduceOp.SUM) -> Waitable:
     """``all_reduce`` issued without waiting: ``t`` holds the result once the handle's ``wait()``
     returned (the handle keeps ``t`` alive until then); counted as ``all_reduce``."""

@@ -26,6 +26,7 @@ from parts.partition.coordinator.step import ModuleCall
 from parts.partition.coordinator.steps import Steps
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trainable import TrainableCheck
+from parts.partition.coordinator.uneven import UnevenRanks
 from parts.partition.core.precision import MixedPrecision
 
 
@@ -37,11 +38,11 @@ class Attached:
                  precision: Optional[MixedPrecision], sync_buffers: bool,
                  undo_precision: Optional[Callable[[], None]], backward_step: Callable,
                  drop_aborted: Callable[[], None], secondary_group: GroupArg = None,
-                 scopes: Sequence[GroupInfo] = ()) -> None:
+                 scopes: Sequence[GroupInfo] = (), conditional: frozenset = frozenset()) -> None:
         self.root = module
         self._undo_precision = undo_precision
         self.counters = StepCounters()
-        self.table = ParamTable(module, knobs)
+        self.table = ParamTable(module, knobs, conditional)
         self.check = StepCheck(knobs.debug, self.table.names, self.table.group(group),
                                self.table.param_names)
         self.live = LiveSet(self.table, knobs, group, self.counters)
@@ -57,6 +58,8 @@ class Attached:
         self.steps = Steps(module, self.table, self.live, self.prefetcher, self.check, self.counters,
                            sync_buffers, self.flat)
         self.flat_ids = frozenset(self.flat.pids)
+        self.uneven = UnevenRanks(self.table, group)
+        self.live.log = self.reducer.log = self.uneven.log  # their collectives, agreed at a backward's end
         names = [self.table.param_names.get(pid, f"#{pid}") for pid in self.table.params]
         self.trainable = TrainableCheck(list(self.table.params.values()), names, scopes)
         self.frozen = FrozenRelease(self.table, self.live, backward_step)

@@ -18,10 +18,11 @@ only when called outside it:
   (the last 4 distinct traces of a phase are kept, so alternating graphs replay both).
   A "step" is one or more forwards and the backward that follows (or one no-grad forward).
 
-What all ranks must share: the same submodules run in the same order (every fetch and
-reduce-scatter is a collective). ``debug=True`` makes the ranks agree on (phase, step,
-event, module) before every collective of a step (fetch, prefetch, refresh, reduce-scatter)
-and raises ``RankDivergence`` on every rank, naming what each rank was doing, instead of hanging.
+What all ranks must share: the same fetch units run in the same order (every fetch is a
+collective); modules gathered with others may run on some ranks only (uneven.py: zero grads
+where a rank lacks one; collectives that met other modules' raise ``RankDivergence``).
+``debug=True`` makes the ranks agree on (phase, step, event, module) before every collective of
+a step (fetch, prefetch, refresh, reduce-scatter), naming what each rank was doing, instead of hanging.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import contextlib
 import sys
 import weakref
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +52,7 @@ from parts.partition.coordinator.returned import backward_outputs, returned_para
 from parts.partition.coordinator.stats import CoordinatorStats
 from parts.partition.coordinator.step import ModuleCall, StepState
 from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name
+from parts.partition.coordinator.uneven import conditional_roots
 from parts.partition.coordinator.transforms import check_transform_params
 from parts.partition.core import points
 from parts.partition.core.param import meta
@@ -74,12 +76,14 @@ class FetchCoordinator:
     (``interop/buffers.py``), so BatchNorm statistics and evaluation agree on every rank.
     ``secondary_group`` (a process group of this node's ranks): backward gathers over it alone,
     from secondary shards kept after forward (ZeRO++ hpZ; secondary.py).
+    ``conditional``: submodules (or classes) that ranks run or skip on their own (MoE experts, branches),
+    gathered with the module around them, their grads reduced at the end of backward (uneven.py).
     """
 
     group, secondary_group = WeakGroup(), WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
-    (table, live, prefetcher, reducer, check, counters, steps, flat_grads, flat_ids, frozen, watch,
+    (table, live, prefetcher, reducer, check, counters, steps, flat_grads, flat_ids, frozen, watch, uneven,
      _undo_precision, _checker, _hooks, _grad_hooks, _unhooked, _stack, _bwd_phase, _bwd_creates_graph,
-     _units, _running, trainable) = (Through() for _ in range(22))  # the attached state (attached.py), read through
+     _units, _running, trainable) = (Through() for _ in range(23))  # the attached state (attached.py), read through
 
     def __init__(self, group: GroupArg = None, *, prefetch_bucket_size: int = 5_000_000,
                  max_reuse_distance: int = 5_000_000, max_live_parameters: int = 1_000_000_000,
@@ -88,12 +92,13 @@ class FetchCoordinator:
                  reduce_bucket_size: int = 5_000_000, cache_freed_storage: bool = True,
                  mixed_precision: Optional[MixedPrecision] = None,
                  sync_buffers: bool = True, fetch_unit_size: int = 5_000_000,
-                 secondary_group: GroupArg = None, compression: Optional[Compression] = None) -> None:
+                 secondary_group: GroupArg = None, compression: Optional[Compression] = None,
+                 conditional: Sequence = ()) -> None:
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
                             f"got {type(mixed_precision).__name__}")
         self.group, self.mixed_precision, self.sync_buffers = group, mixed_precision, sync_buffers
-        self.secondary_group = secondary_group
+        self.secondary_group, self.conditional = secondary_group, tuple(conditional)
         self.compression = check_compression(compression)  # codes on the wire (core/compression.py)
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
@@ -118,7 +123,7 @@ class FetchCoordinator:
         drop_aborted = weak_method(self._drop_aborted_backward)
         self._state = Attached(module, self.knobs, self.group, self.mixed_precision, self.sync_buffers,
                                undo, weak_method(self._backward_step), drop_aborted, self.secondary_group,
-                               agreement_scopes(module, self.group))
+                               agreement_scopes(module, self.group), conditional_roots(module, self.conditional))
         for index in range(len(self.table.modules)):
             if index == 0 or self.table.sets[index]:
                 self._hook(index)
@@ -314,6 +319,7 @@ class FetchCoordinator:
             self._hook_backward(call, step, output, args)
         if not step.pending_backward:
             self.steps.end(call.phase)
+            self.uneven.after_forward()
 
     def _hook_backward(self, call: ModuleCall, step: StepState, output: Any, args: Any = None) -> None:
         fire = partial(self._pre_backward, call.index, call.phase)
@@ -401,14 +407,16 @@ class FetchCoordinator:
         pid = self.table.pid(p)
         step = self.steps.get(self._bwd_phase)
         self.live.grad_complete(pid, step)
-        if raw_grad(p) is not None:
+        if raw_grad(p) is not None and pid not in self.table.conditional:  # those: at the end (uneven.py)
             self.reducer.grad_ready(p, pid, step)
 
     def _end_backward(self) -> None:
         phase, self._bwd_phase = self._bwd_phase, None
         if self._root is None:
             return
+        self.uneven.after_backward(not self.reducer.deferred)  # ranks that ran other modules (uneven.py)
         self.reducer.flush(self.steps.get(phase))
+        self.uneven.log.reset()
         if not self._bwd_creates_graph:
             self.live.drop_graph_holds()
         self.live.end_backward()

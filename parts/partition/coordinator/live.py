@@ -20,6 +20,7 @@ from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.trace import BACKWARD, FORWARD
+from parts.partition.coordinator.uneven import GATHER, CollectiveLog
 from parts.partition.core.compression import gather_wire_bytes
 from parts.partition.core.gather import gather, release
 from parts.partition.core.param import ParamStatus, is_stale, wanted_dtype
@@ -53,6 +54,7 @@ class LiveSet:
         self.forwards = self.backwards = 0  # passes begun (a gather is counted against one)
         self._pass_gathers: dict[tuple, int] = {}
         self.secondary: Optional["SecondaryShards"] = None  # node-local backward gathers (secondary.py)
+        self.log: Optional[CollectiveLog] = None  # the gathers, agreed at a backward's end (uneven.py)
 
     # ---------------------------------------------------------------------- gathers
     def resident(self, pid: int) -> bool:
@@ -67,6 +69,8 @@ class LiveSet:
         if not todo:
             return
         kinds = dict(zip(ids, kind)) if isinstance(kind, list) else {}
+        if self.log is not None:
+            self.log.note(GATHER, todo)
         fresh = [pid for pid in todo if recs[pid].status is _NOT_AVAILABLE]
         near = self._from_secondary(fresh)
         wire = self._wire_bytes([pid for pid in fresh if pid not in near])

@@ -27,6 +27,7 @@ from parts.partition.coordinator.plan import Knobs
 from parts.partition.coordinator.stats import StepCounters
 from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
+from parts.partition.coordinator.uneven import REDUCE, CollectiveLog
 from parts.partition.core.grad_guard import raw_grad, set_raw_grad
 from parts.partition.core.grads import reduce_scatter_grads
 from parts.partition.core.replicas import InFlight, sync_replica_grads
@@ -51,6 +52,7 @@ class GradReducer:
         self.replica_sync = "backward"  # hybrid layouts: the cross-replica mean in each backward, or at the step
         self.deferred = False  # this backward runs under no_sync: its cross-replica mean waits
         self.replicating = InFlight()  # with "backward": cross-replica all-reduces issued as buckets land
+        self.log: Optional[CollectiveLog] = None  # the reduce-scatters, agreed at a backward's end (uneven.py)
 
     def follow(self, force: bool = False) -> None:
         """At a backward's start: the flat reduce-scatter's members are the flat parameters that
@@ -97,6 +99,8 @@ class GradReducer:
             return
         ids = [self.table.pid(p) for p in params]
         self.check.point(step, "reduce", ids=ids)
+        if self.log is not None:
+            self.log.note(REDUCE, sorted(ids))
         self.counters.reduce_scatter_calls += 1
         sent = comm_counter.reduce_scatter_bytes  # the wire bytes (bf16 grads may travel as bf16)
         handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm,

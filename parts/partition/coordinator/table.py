@@ -26,7 +26,7 @@ class ParamTable:
     ``any_parked``: some shards live on disk (``parts.partition.core.disk``).
     """
 
-    def __init__(self, module: nn.Module, knobs: Knobs) -> None:
+    def __init__(self, module: nn.Module, knobs: Knobs, conditional: frozenset = frozenset()) -> None:
         named = list(module.named_modules())
         self.modules: list[nn.Module] = [m for _, m in named]
         self.names: list[str] = [n for n, _ in named]
@@ -44,7 +44,7 @@ class ParamTable:
         for name, p in module.named_parameters():
             self.param_names.setdefault(meta(p).id, name)
         self.sizes: dict[int, int] = {pid: m.numel for pid, m in self.records.items()}
-        self.unit = self._choose_units(min(knobs.fetch_unit_size, knobs.max_live_parameters))
+        self.unit = self._choose_units(min(knobs.fetch_unit_size, knobs.max_live_parameters), conditional)
         self._pids = {id(p): pid for pid, p in self.params.items()}
         self.any_parked = any(disk.parked_version(m.shard) is not None for m in self.records.values())
         self.persistent = select_persistent(self.sizes, knobs.persistence_threshold,
@@ -52,9 +52,11 @@ class ParamTable:
         self.persistent_ids = sorted(self.persistent)
         self.version = 0
 
-    def _choose_units(self, limit: int) -> tuple[int, ...]:
+    def _choose_units(self, limit: int, conditional: frozenset) -> tuple[int, ...]:
         """Fetch units of at most ``limit`` elements (units.py): a unit root's set becomes its
         subtree's parameters; an inner module keeps its own set for calls outside its unit.
+        A ``conditional`` module (an index) is fetched with the nearest module around it that is
+        called and not conditional itself; its parameters' ids are ``self.conditional``.
         Returns each module's unit root."""
         parents = [-1] * len(self.modules)
         for i, sub in enumerate(self.modules):
@@ -64,10 +66,28 @@ class ParamTable:
                     parents[j] = i
         containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
         coverable = [i > 0 and not isinstance(sub, containers) for i, sub in enumerate(self.modules)]
-        units = choose_units(parents, self.sets, self.sizes, limit, coverable)
+        inside = _below(parents, conditional)
+        self.conditional = frozenset(pid for i in inside for pid in self.sets[i])
+        units = choose_units(parents, self.sets, self.sizes, limit, coverable,
+                             self._hosts(parents, coverable, conditional, inside))
         for root, ids in units.members.items():
             self.sets[root] = ids
         return units.unit
+
+    def _hosts(self, parents: list[int], coverable: list[bool], conditional: frozenset, inside: set[int]) -> dict:
+        """For each outermost ``conditional`` module, the nearest module above it that is called
+        (no container) and not conditional: its unit fetches the conditional one's subtree."""
+        hosts = {}
+        for i in sorted(conditional):
+            if parents[i] < 0:
+                raise ValueError(f"attach: conditional names the attached {type(self.modules[i]).__name__} "
+                                 f"itself, whose forward is the whole step; name the submodules ranks may skip")
+            if parents[i] not in inside:
+                host = parents[i]
+                while host > 0 and (host in inside or not coverable[host]):
+                    host = parents[host]
+                hosts[i] = host
+        return hosts
 
     def is_unit_root(self, index: int) -> bool:
         """True if the module at ``index`` fetches a unit (else an inner module of one)."""
@@ -98,3 +118,12 @@ class ParamTable:
     def persistent_elements(self) -> int:
         """Elements of all persistent parameters."""
         return sum(self.sizes[pid] for pid in self.persistent)
+
+
+def _below(parents: list[int], roots: frozenset) -> set[int]:
+    """The indices of ``roots`` and of every module below one of them (parents come first)."""
+    inside: set[int] = set()
+    for i, parent in enumerate(parents):
+        if i in roots or parent in inside:
+            inside.add(i)
+    return inside

@@ -14,7 +14,7 @@ fetches its own parameters).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,15 @@ def _subtree_ids(index: int, children: Sequence[Sequence[int]], own: Sequence[Se
 
 
 def choose_units(parents: Sequence[int], own: Sequence[Sequence[int]], sizes: dict, limit: int,
-                 coverable: Sequence[bool]) -> FetchUnits:
+                 coverable: Sequence[bool], hosts: Optional[dict] = None) -> FetchUnits:
     """Fetch units of a module tree: ``parents[i]`` is module ``i``'s parent index (-1 for the
     root, index 0; parents come before children), ``own[i]`` the ids of its own parameters,
     ``sizes`` each id's element count; only a ``coverable`` module can be a unit over its
     subtree (the coordinator passes False for the root, whose forward is the whole step, and
-    for containers such as ``nn.ModuleList``, which are never called)."""
+    for containers such as ``nn.ModuleList``, which are never called). ``hosts`` maps a module
+    to an ancestor whose unit fetches its whole subtree, whatever the sizes (a module that only
+    some ranks run: it then issues no gather of its own)."""
+    hosts = hosts or {}
     children: list[list[int]] = [[] for _ in parents]
     for i, parent in enumerate(parents):
         if parent >= 0:
@@ -58,6 +61,11 @@ def choose_units(parents: Sequence[int], own: Sequence[Sequence[int]], sizes: di
     for i, parent in enumerate(parents):
         if parent >= 0 and covered[parent]:
             unit[i], covered[i] = unit[parent], True
+            continue
+        if i in hosts:
+            root = unit[hosts[i]]
+            unit[i], covered[i] = root, True
+            members[root] = list(dict.fromkeys(members[root] + _subtree_ids(i, children, own)))
             continue
         ids = _subtree_ids(i, children, own)
         if coverable[i] and limit > 0 and children[i] and ids and sum(sizes[pid] for pid in ids) <= limit:

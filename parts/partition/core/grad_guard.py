@@ -66,6 +66,20 @@ def set_raw_grad(p: torch.Tensor, value: Optional[torch.Tensor]) -> None:
     _raw_grad.__set__(p, value)
 
 
+def set_full_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Give ``p`` the full grad ``grad`` (library code), also while ``p`` is released: torch checks
+    a grad against the data's size, dtype and device, so the data is ``grad`` for that moment."""
+    data = _raw_data.__get__(p)
+    if (data.shape, data.dtype, data.device) == (grad.shape, grad.dtype, grad.device):
+        _raw_grad.__set__(p, grad)
+        return
+    _raw_data.__set__(p, grad)
+    try:
+        _raw_grad.__set__(p, grad)
+    finally:
+        _raw_data.__set__(p, data)
+
+
 def _moved_message(record: Any) -> str:
     return (f"parts.partition: {record.describe()} is sharded over {record.world_size} rank(s): its "
             f"gradient is in its grad shard (parts.partition.meta(p).grad_shard), p.grad is None, so "
