@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import run
+from harness import RankFailure, run
 
 
 class Net(nn.Module):
@@ -173,27 +173,32 @@ def test_groups_that_make_no_grid_are_refused_on_every_rank():
 
 
 def _part_and_whole_outcome() -> tuple[str, str]:
-    """The lower ranks shard over a group of part of the world, the last rank over the whole world."""
+    """The lower ranks shard over a group of part of the world, the last rank over the whole world
+    (its wait for the others' build, the default store's timeout, set to 2 s here)."""
     from datetime import timedelta
 
+    from torch.distributed.distributed_c10d import _get_default_store
+
     from parts.partition import partitioned
-    world = dist.get_world_size()
+    world, last = dist.get_world_size(), dist.get_rank() == dist.get_world_size() - 1
     part = dist.new_group(list(range(world - 1)), timeout=timedelta(seconds=20))  # every rank makes every group
-    try:
-        with partitioned(group=part if dist.get_rank() < world - 1 else None):
-            Net()
-    except Exception as err:  # noqa: BLE001 - the outcome is what the test checks
-        return type(err).__name__, str(err)
+    if last:
+        _get_default_store().set_timeout(timedelta(seconds=2))  # this pool's store: the test ends it
+    with partitioned(group=None if last else part):
+        Net()
     return "", ""
 
 
 @pytest.mark.parametrize("world", [3, 2])
-def test_a_layout_over_part_of_the_world_beside_one_over_all_of_it_raises_on_every_rank(world):
-    """Before: the rank over the whole world waited in the agreement for ranks that agreed among themselves."""
-    for kind, message in run(world, _part_and_whole_outcome, timeout=30.0):
-        assert kind == "ValueError" and "disagree on the layout" in message, message
-        assert f"global rank {world - 1} shards over global ranks {list(range(world))}" in message, message
-        assert f"shards over global ranks {list(range(world - 1))}" in message, message
+def test_a_layout_over_all_of_the_world_beside_builds_over_part_of_it_raises_naming_the_ranks(world):
+    """The ranks over part of the world build (they cannot tell this from a later build over the
+    world); the rank over all of it raises once the store's timeout passed, naming them."""
+    with pytest.raises(RankFailure) as failed:
+        run(world, _part_and_whole_outcome, timeout=30.0)
+    message = str(failed.value)
+    assert failed.value.rank == world - 1 and "TimeoutError" in message, message
+    assert f"for global ranks {list(range(world - 1))}, named by its layout" in message, message
+    assert f"global rank 0: shards over global ranks {list(range(world - 1))}" in message, message
 
 
 def _freeze_outcome(odd_rank: int, name: str, threshold: int) -> tuple[str, str]:

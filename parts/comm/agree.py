@@ -12,9 +12,10 @@ every rank, naming the failing ranks and their errors.
   results themselves are exchanged; on a failure ``error(failures)`` is raised on every rank
   (chained to the local exception where there is one).
 - ``agree_on_layout(group, replicate_group, mesh, what)``: a sharded build's (shard group, replica group), compared
-  across the world (every rank takes part) before the build's first collective.
+  with those of the ranks it names before the build's first collective (through the default
+  store: ranks outside the build take no part).
 - ``exchange_in_rounds(mine, scopes, rank_of, own, what)``: items gathered over several groups in
-  turn, failures raised on every rank (``agree_on_layout`` and ``attach``'s agreement).
+  turn, failures raised on every rank (``attach``'s agreement).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Callable, Mapping, Optional, TypeVar
 from parts.comm.failure import Failure as Failure
 from parts.comm.failure import RankDisagreement as RankDisagreement
 from parts.comm.failure import attempt, describe, failures_in
-from parts.comm.group import GroupArg, GroupInfo, global_rank, group_info, hybrid_groups, is_distributed
+from parts.comm.board import Meeting, runs, unrun
+from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, global_rank, group_info, hybrid_groups,
+                              is_distributed, is_member)
 from parts.comm.objects import all_gather_objects, broadcast_object
 
 
@@ -82,23 +85,84 @@ Layout = tuple[GroupInfo, Optional[GroupInfo]]
 
 
 def agree_on_layout(group: GroupArg, replicate_group: GroupArg, mesh: object, what: str) -> Layout:
-    """``hybrid_groups(...)``: the (shard group, replica group), checked against every rank's in one
-    exchange over the world. Every rank of the world takes part in every sharded build's agreement
-    (ranks building over disjoint groups build as many times each), so a rank whose layout spans
-    part of the world and one whose layout spans all of it both raise, naming the two ranks, where
-    agreeing over each rank's own groups would leave the world-spanning rank waiting. A rank whose
-    groups are refused, or whose shard or replica group its members see otherwise (a mesh of another
-    shape, a group left out, replicas at other places of their shard groups), raises on every rank,
-    naming the ranks: before the build's first collective over groups that differ."""
+    """``hybrid_groups(...)``: the (shard group, replica group), checked against the layouts of the
+    ranks it names (its shard and replica groups) and, one hop on, of the ranks they name, through
+    the default store (``board.py``): ranks outside both groups take no part, so a rank that builds
+    nothing (or builds over other groups) blocks no one. A rank whose groups are refused, or whose
+    shard or replica group its members see otherwise (a mesh of another shape, a group left out,
+    replicas at other places of their shard groups), raises on every rank of the groups it named
+    and of theirs, naming the ranks: before the build's first collective. A rank whose layout names
+    ranks that build otherwise raises a ``TimeoutError`` naming them after the store's timeout."""
     layout, own = attempt(lambda: hybrid_groups(group, replicate_group, mesh, what), global_rank())
     if not is_distributed():
         if own is not None:
             raise own
         return layout
-    mine = layout if own is not None else (global_rank(), *_ranks(layout))
-    seen = exchange_in_rounds(mine, [group_info(None)], lambda x: x[0], own, what)
-    check_layouts({x[0]: x[1:] for x in seen}, what)
+    named, mine = _entry(layout, own, group, replicate_group, mesh)
+    meeting = Meeting(mine, named, what, _describe)
+    error = own if own is not None else _verdict(meeting.items, what)
+    theirs = meeting.verdicts(None if error is None else _posted(error, layout if own is not None else None, what))
+    if error is not None:
+        raise error
+    if theirs:
+        kind, message = theirs[min(theirs)]
+        raise (ValueError if kind == "ValueError" else RankDisagreement)(message)
     return layout
+
+
+def _entry(layout: object, own: Optional[BaseException], group: GroupArg, replicate_group: GroupArg,
+           mesh: object) -> tuple[set[int], object]:
+    """The global ranks a build names and its entry: (rank, shard runs, replica runs), or its ``Failure``."""
+    if own is not None:
+        return _asked(group, replicate_group, mesh), layout
+    shard, replicas = _ranks(layout)
+    return {*shard, *(replicas or ())}, (global_rank(), runs(shard), runs(replicas) if replicas else None)
+
+
+def _posted(error: BaseException, failure: Optional[Failure], what: str) -> tuple[str, str]:
+    """What the ranks met raise for this rank's ``error``: its layout error itself, or a
+    ``RankDisagreement`` naming this rank's ``failure``."""
+    if failure is not None:
+        return "RankDisagreement", _failed({failure.rank: failure}, what)
+    return type(error).__name__, str(error)
+
+
+def _verdict(items: dict, what: str) -> Optional[BaseException]:
+    """The error of a layout check over ``items`` (global rank -> layout entry or ``Failure``), if any."""
+    failures = {f.rank: f for f in items.values() if isinstance(f, Failure)}
+    if failures:
+        return RankDisagreement(_failed(failures, what))
+    try:
+        check_layouts({r: (unrun(shard), unrun(replicas) if replicas else None)
+                       for r, shard, replicas in items.values()}, what)
+    except ValueError as err:
+        return err
+    return None
+
+
+def _failed(failures: Mapping[int, Failure], what: str) -> str:
+    return f"{what} failed on other ranks, so no rank went on (global ranks) {describe(failures)}"
+
+
+def _describe(item: object) -> str:
+    """A layout entry as the error messages show it."""
+    if isinstance(item, Failure):
+        return item.error
+    _, shard, replicas = item
+    return _layout((unrun(shard), unrun(replicas) if replicas else None))
+
+
+def _asked(group: GroupArg, replicate_group: GroupArg, mesh: object) -> set[int]:
+    """The global ranks of the groups a refused layout asked for, where this rank can tell: the
+    world for the default group, a group's ranks where this rank is in it, every rank of a mesh."""
+    if mesh is not None:
+        ranks = getattr(mesh, "mesh", None)
+        return set(ranks.flatten().tolist()) if hasattr(ranks, "flatten") else set()
+    asked = set(group_info(None).global_ranks()) if group is None else set()
+    for g in (group, replicate_group):
+        if isinstance(g, ProcessGroup) and is_member(g):
+            asked |= set(group_info(g).global_ranks())
+    return asked
 
 
 def exchange_in_rounds(mine: object, scopes: list[GroupInfo], rank_of: Callable[[object], int],
@@ -115,8 +179,7 @@ def exchange_in_rounds(mine: object, scopes: list[GroupInfo], rank_of: Callable[
     if own is not None:
         raise own
     if failures:
-        raise RankDisagreement(f"{what} failed on other ranks, so no rank went on (global ranks) "
-                               f"{describe(failures)}")
+        raise RankDisagreement(_failed(failures, what))
     return seen
 
 

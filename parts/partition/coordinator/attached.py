@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from parts.comm import GroupArg, GroupInfo
+from parts.comm import GroupArg, GroupInfo, group_info
 from parts.partition.coordinator.abort import BackwardWatch
 from parts.partition.coordinator.debug import StepCheck
 from parts.partition.coordinator.flat import FlatGather, FlatReduce
@@ -61,7 +61,8 @@ class Attached:
         self.uneven = UnevenRanks(self.table, group)
         self.live.log = self.reducer.log = self.uneven.log  # their collectives, agreed at a backward's end
         names = [self.table.param_names.get(pid, f"#{pid}") for pid in self.table.params]
-        self.trainable = TrainableCheck(list(self.table.params.values()), names, scopes)
+        self.trainable = TrainableCheck(list(self.table.params.values()), names, scopes,
+                                        group_info(self.table.group(group)))
         self.frozen = FrozenRelease(self.table, self.live, backward_step)
         self.watch = BackwardWatch(self.table, self.live, self.reducer, self.steps, drop_aborted)
         self._checker: Optional[weakref.WeakMethod] = None  # debug: the step check's hook (points.py)

@@ -52,8 +52,8 @@ from parts.partition.coordinator.returned import backward_outputs, returned_para
 from parts.partition.coordinator.stats import CoordinatorStats
 from parts.partition.coordinator.step import ModuleCall, StepState
 from parts.partition.coordinator.trace import BACKWARD, FORWARD, phase_name
-from parts.partition.coordinator.uneven import conditional_roots
 from parts.partition.coordinator.transforms import check_transform_params
+from parts.partition.coordinator.uneven import conditional_roots
 from parts.partition.core import points
 from parts.partition.core.param import meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
@@ -372,21 +372,23 @@ class FetchCoordinator:
         self._bwd_phase = phase
         self._bwd_creates_graph = torch.is_grad_enabled()
         self.live.backwards += 1
-        self._follow_requires_grad()
+        step = self.steps.get(phase) if self.steps.active(phase) else None
+        deferred = self._no_sync > 0 or (step is not None and step.no_sync)
+        self._follow_requires_grad(across=not deferred)
         if not self.steps.active(phase):
             self.steps.begin(phase)
-        step = self.steps.get(phase)
-        self.reducer.deferred = self._no_sync > 0 or (step is not None and step.no_sync)
+        self.reducer.deferred = deferred
         self.watch.begin(self._end_backward)
 
-    def _follow_requires_grad(self) -> None:
+    def _follow_requires_grad(self, across: bool = True) -> None:
         """Read ``requires_grad`` again (at attach and each backward's start): a grad hook on every
         parameter that requires grad now (frozen ones have none to fire), the flat reduce-scatter's
-        members (reduce.py). The flags are checked alike on every rank (trainable.py), so all reduce
-        the same grads (under ``debug``, once the ranks met at the backward's start)."""
+        members (reduce.py). The flags are checked alike on every rank (trainable.py; across replicas
+        unless ``across`` is False, under ``no_sync``), so all reduce the same grads (under ``debug``,
+        once the ranks met at the backward's start)."""
         if self._bwd_phase:
             self.check.point(None, "flags")
-        self.trainable.agree()
+        self.trainable.agree(across)
         trainable = [p for p in self._unhooked if p.requires_grad]
         if trainable:
             self._unhooked = [p for p in self._unhooked if not p.requires_grad]
