@@ -21,6 +21,15 @@ from parts.base.owners import OwnerPlan
 from parts.partition.core import disk
 
 
+def size(nbytes: float) -> str:
+    """``nbytes`` for a log line: "812 B", "3.1 KiB", "25.4 MiB", "1.2 GiB"."""
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
 def _refuse_parked(records: list, name: str, path: str) -> None:
     for m in records:
         if disk.parked_version(m.shard) is not None:

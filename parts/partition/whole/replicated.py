@@ -30,9 +30,9 @@ import torch
 from parts.comm import ReduceOp, all_gather, all_gather_objects, all_reduce, comm_device
 from parts.partition.core.param import alloc, internal, shard_version
 from parts.partition.whole.full import FullStepper
+from parts.partition.whole.full import size as fmt
 
 logger = logging.getLogger("parts.partition")
-_MB = 2 ** 20
 
 
 def _checksum(t: Any) -> torch.Tensor:
@@ -61,8 +61,8 @@ class ReplicatedStepper(FullStepper):
         """Memory per rank and bytes per step, for the log line."""
         size, world = self.nbytes(), self.info.world_size
         return (f"every rank holds the full values and grads of all {len(self.records)} parameters "
-                f"({2 * size / _MB:.1f} MiB) and the optimizer's state for all of them; each step all-gathers "
-                f"the grad shards, {size * (world - 1) / world / _MB:.1f} MiB into each rank")
+                f"({fmt(2 * size)}) and the optimizer's state for all of them; each step all-gathers "
+                f"the grad shards, {fmt(size * (world - 1) / world)} into each rank")
 
     def _fingerprint(self) -> torch.Tensor:
         """One number from this rank's full values and the optimizer's state (equal where they are)."""

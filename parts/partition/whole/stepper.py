@@ -22,8 +22,7 @@ import torch
 from parts.comm import ReduceOp, all_reduce, all_to_all, comm_device
 from parts.partition.core.param import alloc, internal, shard_version
 from parts.partition.whole.full import FullStepper
-
-_MB = 2 ** 20
+from parts.partition.whole.full import size as fmt
 
 
 class WholeStepper(FullStepper):
@@ -44,10 +43,10 @@ class WholeStepper(FullStepper):
     def costs(self) -> str:
         """Memory per rank and bytes per step, for the log line."""
         size, world = self.nbytes(), self.info.world_size
-        return (f"each owner holds its parameters' full values, grads and state (about {2 * size / world / _MB:.1f} "
-                f"MiB of values and grads per rank on balanced owners); each step sends the grad shards to the "
-                f"owners and the updated shards back, {2 * size * (world - 1) / world / world / _MB:.1f} MiB "
-                f"out of each rank")
+        return (f"each owner holds its parameters' full values, grads and state (about {fmt(2 * size / world)} "
+                f"of values and grads per rank on balanced owners); each step sends the grad shards to the "
+                f"owners and the updated shards back, {fmt(2 * size * (world - 1) / world / world)} out of each "
+                f"rank")
 
     def _stale(self) -> list[bool]:
         """Per parameter: has any rank's shard changed since the owner's full copy was last made?
