@@ -148,6 +148,27 @@ def test_the_model_is_sharded_at_construction_or_on_setup_and_trains_as_ddp(tmp_
         assert got["released"] > 0  # persistence_threshold=0 reached attach: parameters released between steps
 
 
+def _ddp_refused(root: str) -> str:
+    """``Trainer(strategy="ddp")`` given a LightningModule holding a parts model: DDP wraps the parent."""
+    from gpt_model import GPT
+    from parts.partition import attach, partitioned
+    with lightning_run():
+        with partitioned():
+            model = GPT(CONFIG)
+        attach(model)
+        try:
+            fit("ddp", root, 2, module=module_class()(model))
+        except RuntimeError as err:
+            return str(err)
+    return "trained"
+
+
+def test_trainer_strategy_ddp_with_a_parts_model_is_refused_naming_the_parts_strategy(tmp_path) -> None:
+    for message in run(2, _ddp_refused, str(tmp_path), timeout=120):
+        assert message.startswith("parts models need no DDP wrap: DistributedDataParallel(TinyLM) would wrap")
+        assert 'strategy="parts"' in message
+
+
 def _refused(root: str) -> list:
     messages = []
     with lightning_run():

@@ -17,7 +17,8 @@ for them the rule is the contract. A parameter not gathered between steps (more 
 The wrap. ``DistributedDataParallel(model)`` would all-reduce full grads the coordinator
 already reduce-scatters, and read parameters that are released between steps. DDP reads
 ``module._ddp_params_and_buffers_to_ignore`` first thing; the attached root's is a set that
-refuses to be iterated, so the wrap raises with the fix in its message.
+refuses to be iterated, so the wrap raises with the fix in its message. A wrap of a module
+holding it (its parent) is refused by core/ddp_guard.py.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import Any, Iterator
 from torch import nn
 
 from parts.partition.coordinator.table import ParamTable
+from parts.partition.core.ddp_guard import no_ddp_message
 from parts.partition.core.param import ParamStatus, is_stale
 
-NO_DDP = "parts models need no DDP wrap"
 _DDP_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 
@@ -38,12 +39,7 @@ class RefuseDDP:
     ``DistributedDataParallel.__init__`` does) raises, saying why and what to do instead."""
 
     def __iter__(self) -> Iterator[str]:
-        raise RuntimeError(
-            f"{NO_DDP}: an attached model (parts.partition.attach) reduce-scatters its own grads "
-            f"across ranks, so DistributedDataParallel would reduce them twice and read parameters "
-            f"released between steps. Train the model as it is; with accelerate use "
-            f"parts.integrations.accelerate.prepare(accelerator, ...) (or its Accelerator), with "
-            f"transformers parts.integrations.transformers.Trainer")
+        raise RuntimeError(no_ddp_message("DistributedDataParallel would wrap an attached model"))
 
 
 class ReadGuard:

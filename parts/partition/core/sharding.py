@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from parts.partition.core import disk
+from parts.partition.core import ddp_guard, disk
 from parts.comm import GroupInfo, broadcast
 from parts.comm.agreeing import broadcast_differing
 from parts.base.layout import ShardLayout
@@ -124,6 +124,7 @@ def _has_accelerator() -> bool:
 
 def shard_params(named: list[tuple[str, nn.Parameter]], spec: ShardSpec) -> list[ParamMeta]:
     """Shard the not-yet-sharded ``(name, param)`` pairs with one broadcast from group rank 0."""
+    ddp_guard.install()  # from now on a DDP wrap of a module holding them raises
     todo, seen = [], set()
     for name, p in named:
         if not is_partitioned(p) and id(p) not in seen:
