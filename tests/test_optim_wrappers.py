@@ -47,6 +47,24 @@ def test_a_path_named_for_lookahead_is_taken_and_exact(path: str) -> None:
         assert taken == path and isinstance(rel, float) and rel <= TOL, (name, rel, taken)
 
 
+def inner_body() -> None:
+    import pytorch_optimizer
+    from parts.partition import attach, partition_module, shards
+    torch.manual_seed(0)
+    model = partition_module(Shapes().double())
+    attach(model)
+    lookahead = pytorch_optimizer.Lookahead(torch.optim.Adafactor(shards(model), lr=1e-2), k=2)
+    model(torch.randn(4, 5, dtype=torch.float64)).backward()
+    lookahead.step()
+    lookahead.optimizer.step()
+
+
+@needs_po
+def test_stepping_the_optimizer_a_wrapper_holds_is_refused_naming_the_wrapper() -> None:
+    with pytest.raises(RankFailure, match="Adafactor is held by an optimizer that takes the whole path.*step that"):
+        run(2, inner_body)
+
+
 def ema_body(copy_outside: bool) -> dict:
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
     from parts.partition import attach, detach, full_state_dict, gathered, partition_module, shards

@@ -64,6 +64,11 @@ def _steps_running() -> int:
     return count
 
 
+def nested_step() -> bool:
+    """True inside an optimizer step that another optimizer's step called (a wrapper's inner optimizer)."""
+    return _steps_running() > 1
+
+
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Count one step on the record of every linked shard ``optimizer`` holds; after the
     outermost step, tell the listeners."""

@@ -161,9 +161,13 @@ class _Router:
             route(optimizer)
 
     def before(self, optimizer: torch.optim.Optimizer) -> None:
-        stepper = stepper_of(optimizer)
-        if stepper is not None:
-            stepper.before()
+        settled = _routed.get(optimizer)
+        if settled is not None and settled.inner and settled.path != SHARD and not steps.nested_step():
+            raise RuntimeError(f"parts.partition: {type(optimizer).__name__} is held by an optimizer that takes the "
+                               f"{settled.path} path and brings it its full grads; step that optimizer, not the "
+                               f"{type(optimizer).__name__} it holds")
+        if settled is not None and settled.stepper is not None:
+            settled.stepper.before()
 
     def after(self, optimizer: torch.optim.Optimizer) -> None:
         stepper = stepper_of(optimizer)
