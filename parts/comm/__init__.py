@@ -18,6 +18,8 @@ from parts.comm import exit as _exit  # noqa: F401  (process groups end at inter
 from parts.comm.counter import CommCounter, comm_counter, wire_bytes
 from parts.comm.device import comm_tensor, declared_comm_device, gloo_algorithms, to_comm, to_host, torch_algorithms
 from parts.comm.fake import block_layout, fake_world
+from parts.comm.heartbeat import Heartbeat
+from parts.comm.heartbeat_report import PeerFailure
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size, hybrid_groups,
@@ -40,7 +42,7 @@ __all__ = [
     "new_group", "comm_device", "declared_comm_device", "comm_tensor", "to_comm", "to_host", "torch_algorithms",
     "gloo_algorithms", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "Topology", "launcher_ranks_per_node",
-    "agree", "RankDisagreement", "fake_world", "block_layout",
+    "agree", "RankDisagreement", "fake_world", "block_layout", "Heartbeat", "PeerFailure",
     "Codec", "all_gather_quantized", "reduce_scatter_quantized", "all_reduce_mean_quantized",
     "ErrorFeedback", "Quantized", "quantize", "dequantize",
 ]
