@@ -1,8 +1,9 @@
 """What ``Trainer(strategy="parts")`` maps onto parts: precision, clipping, accumulation, evaluation, construction.
 
 Each run is compared with ``Trainer(strategy="ddp")`` on the same seeds and rows (lightning_common.py).
-fp32 clipping by value clamps the same grads element-wise (bitwise); by norm the global norm
-sums in another order than torch's (1e-6). Mixed precision: parts gathers bf16 weights where
+Under accumulation DDP sums micro-batches on each rank and then across ranks, parts across
+ranks per micro-batch and then over micro-batches, and the clipping norm sums in another order
+than torch's: fp32 losses agree to 1e-6. Mixed precision: parts gathers bf16 weights where
 DDP's autocast casts fp32 ones per op, within the project's 1e-2 relative loss of
 ``MixedPrecision`` against a reference.
 """
@@ -46,8 +47,6 @@ def test_clipping_with_accumulation_clips_as_ddp_does(tmp_path, algorithm: str, 
                    gradient_clip_algorithm=algorithm, accumulate_grad_batches=2, timeout=300):
         assert len(got["parts"]) == 8  # 4 steps of 2 micro-batches
         assert got["parts"] == pytest.approx(got["ddp"], rel=0, abs=1e-6)
-        if algorithm == "value":
-            assert got["parts"] == got["ddp"]  # the same clamp of the same grads
         assert abs(got["ddp"][-1] - got["unclipped"][-1]) > 1e-3  # the clip acts
 
 

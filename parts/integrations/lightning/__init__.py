@@ -10,6 +10,7 @@ of ``parts.partition.partitioned`` and ``attach``. See docs/integrations.md.
 Needs the ``[lightning]`` extra (``pip install "parts[lightning]"``).
 """
 
+from parts.integrations.lightning.fabric import PartsFabricStrategy
 from parts.integrations.lightning.trainer import PartsStrategy
 
-__all__ = ["PartsStrategy"]
+__all__ = ["PartsStrategy", "PartsFabricStrategy"]

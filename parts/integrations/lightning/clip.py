@@ -24,9 +24,10 @@ from parts.partition.core.param import unique_params
 from parts.partition.core.replicas import pending_records, sync_replica_grads
 from parts.partition.whole.leaves import record_of_leaf
 
-__all__ = ["is_parts_model", "remember", "params_stepped_by", "clip_by_norm", "clip_by_value"]
+__all__ = ["is_parts_model", "remember", "params_stepped_by", "module_stepped_by", "clip_by_norm", "clip_by_value"]
 
-_stepped: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = weakref.WeakKeyDictionary()
+# an optimizer -> (its module, the parameters of that module it steps), recorded at set-up
+_stepped: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 
 
 def is_parts_model(module: Any) -> bool:
@@ -42,8 +43,9 @@ def _held(optimizer: torch.optim.Optimizer) -> tuple[set, set]:
 
 def params_stepped_by(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     """The parameters of ``module`` that ``optimizer`` holds: themselves, their shards or shard leaves."""
-    if optimizer in _stepped:
-        return _stepped[optimizer]
+    known = _stepped.get(optimizer)
+    if known is not None and known[0]() is module:
+        return known[1]
     tensors, records = _held(optimizer)
 
     def held(p: nn.Parameter) -> bool:
@@ -56,7 +58,19 @@ def params_stepped_by(module: nn.Module, optimizer: torch.optim.Optimizer) -> li
 def remember(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Record which parameters of ``module`` ``optimizer`` steps, while it still holds their shards."""
     _stepped.pop(optimizer, None)
-    _stepped[optimizer] = params_stepped_by(module, optimizer)
+    _stepped[optimizer] = (weakref.ref(module), params_stepped_by(module, optimizer))
+
+
+def module_stepped_by(optimizer: torch.optim.Optimizer, modules: dict[str, nn.Module], what: str) -> nn.Module:
+    """The one of ``modules`` whose parameters ``optimizer`` steps (``what`` names the optimizer in errors)."""
+    known = _stepped.get(optimizer)
+    if known is not None and any(known[0]() is m for m in modules.values()):
+        return known[0]()
+    found = [m for m in modules.values() if params_stepped_by(m, optimizer)]
+    if len(found) != 1:
+        raise ValueError(f"parts strategy: {what} steps the parameters of {len(found)} of the modules "
+                         f"{sorted(modules)} in the state; save and load it beside the one module it steps")
+    return found[0]
 
 
 def clip_by_norm(module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
