@@ -9,6 +9,7 @@ another order than DDP's (1e-6). Skipped without Lightning (``pip install "parts
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +110,15 @@ def test_python_m_parts_export_writes_the_model_of_a_checkpoint_folder(world2, t
     trained = ranks[0]["weights"]
     assert sorted(exported) == sorted(trained)  # the GPT's own keys: the module's "model." left out
     assert all(torch.equal(exported[k], trained[k]) for k in trained)
+
+
+@pytest.mark.slow
+def test_under_torchrun_trainer_init_module_starts_the_group_and_shards_at_construction(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "tests" / "lightning_job.py"), str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("result "))[len("result "):])
+    assert result["group_before"] is False and result["sharded"] is True
+    assert len(result["losses"]) == 3
