@@ -55,9 +55,15 @@ def _inside(directory: str):
 
 
 def _exec(source: str, name: str, directory: str) -> None:
-    """Run ``source`` as a script named ``name`` with ``directory`` as the working directory."""
-    with _inside(directory):
+    """Run ``source`` as a script named ``name`` with ``directory`` as the working directory (a
+    Lightning block as lightning_common.lightning_run runs Lightning: its own warnings aside)."""
+    with _inside(directory), (_lightning_run() if "lightning" in _needs(source) else contextlib.nullcontext()):
         exec(compile(source, name, "exec"), {"__name__": "__main__"})
+
+
+def _lightning_run() -> contextlib.AbstractContextManager:
+    from lightning_common import lightning_run
+    return lightning_run()
 
 
 def _exec_on_rank(source: str, name: str, directory: str) -> bool:
@@ -79,7 +85,8 @@ def test_the_pages_have_python_blocks():
 
 
 OPTIONAL = {"transformers": "transformers", "accelerate": "accelerate", "safetensors": "safetensors",
-            "parts.integrations": "accelerate"}  # the [hf] extra
+            "parts.integrations": "accelerate",  # the [hf] extra
+            "lightning": "lightning"}  # the [lightning] extra
 
 
 def _needs(source: str) -> list[str]:

@@ -22,7 +22,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 from harness import run  # noqa: E402
-from lightning_common import fit, lightning_run  # noqa: E402
+from lightning_common import fit, lightning_run, loader, module_class, trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, RESUME_AT = 30, 20
@@ -38,8 +38,18 @@ def _world2(root: str) -> dict:
         parts_first = fit("parts", os.path.join(root, "parts"), RESUME_AT, save=True).losses  # stopped at step 20
         parts = fit("parts", os.path.join(root, "parts"), STEPS, "last", save=True)
         weights = full_state_dict(parts.model)
+        parts20 = os.path.join(root, "parts", "checkpoints", f"epoch=1-step={RESUME_AT}.ckpt")
+        validated = {name: _validate(name, path, root) for name, path in (("ddp", step20), ("parts", parts20))}
     return dict(ddp=ddp, ddp_resumed=ddp_resumed, parts=parts_first + parts.losses, parts_resumed=parts.losses,
-                weights=weights)
+                weights=weights, validated=validated)
+
+
+def _validate(strategy: str, checkpoint: str, root: str) -> list:
+    """``validate(ckpt_path=...)`` of a fresh module: the validation losses of the checkpoint's weights."""
+    module = module_class()()
+    trainer(strategy, os.path.join(root, "validate"), limit_val_batches=2).validate(
+        module, loader(), ckpt_path=checkpoint, verbose=False)
+    return module.val_losses
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +66,8 @@ def test_parts_trains_as_ddp_and_resumes_from_its_sharded_checkpoint_as_ddp_does
         assert got["parts"] == got["ddp"]  # the same fp32 math at world 2: bitwise
         assert got["parts_resumed"] == got["ddp_resumed"]  # resumed at step 20, bitwise DDP's resumption
         assert got["ddp_resumed"] == got["ddp"][RESUME_AT:]  # ... which is the uninterrupted run
+        assert len(got["validated"]["parts"]) == 2
+        assert got["validated"]["parts"] == got["validated"]["ddp"]  # validate(ckpt_path=...) loads the weights
     assert ranks[0]["ddp"] != ranks[1]["ddp"]  # each rank trains on its own rows
 
 
