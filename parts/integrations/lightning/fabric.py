@@ -98,6 +98,7 @@ class PartsFabricStrategy(DDPStrategy):
             self.precision.convert_module(module)
         shard_and_attach(module, self.parts_knobs, policy, self.root_device)
         self.precision.convert_module(module)  # attached: buffers converted, shards checked
+        module.to(self.root_device)  # buffers follow; the shards are on the device already (checked)
         if not any(m is module for m in self.parts_modules):
             self.parts_modules.append(module)
         return module
@@ -112,8 +113,8 @@ class PartsFabricStrategy(DDPStrategy):
         return optimizer
 
     def module_to_device(self, module: nn.Module) -> None:
-        """A parts model stays where its shards are; any other module moves as under DDP."""
-        if not is_parts_model(module):
+        """A module moves as under DDP; one sharded but not attached yet moves in ``setup_module``."""
+        if not is_parts_model(module) or coordinator_of(module) is not None:
             super().module_to_device(module)
 
     # ---------------------------------------------------------------- clipping

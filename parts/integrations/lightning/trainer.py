@@ -121,6 +121,7 @@ class PartsStrategy(DDPStrategy):
         policy = mixed_precision_for(plugin, self.parts_knobs.mixed_precision)
         self.parts_coordinator = shard_and_attach(module, self.parts_knobs, policy, self.root_device)
         plugin.convert_module(module)  # attached: buffers converted, shards checked
+        self.model_to_device()  # buffers follow; the shards are on the device already (checked)
         plugin.parts_module = module
         self.model = module
         if fitting:
@@ -136,8 +137,12 @@ class PartsStrategy(DDPStrategy):
                 use_shards(inner)
             remember(self.lightning_module, inner)
 
-    def model_to_device(self) -> None:
-        """Nothing to move: the shards live on the device they were made on, buffers follow them."""
+    def teardown(self) -> None:
+        """Lightning's teardown, but the model stays where its shards are (and attached): DDP's moves it to the CPU."""
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
