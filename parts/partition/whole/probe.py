@@ -13,6 +13,11 @@ closure returns where ``step`` takes one). Three trials are compared with the fi
   another (what two ranks' shards are): a difference, or a refusal of flat pieces, means the
   update needs each tensor whole: the whole path; else the shard path.
 
+The copies hold none of the user's tensors: where an optimizer it holds keeps them in lists of
+its own, a copy holds stand-ins without values or grads, which a step skips. Copies that leave
+the probe's tensors where they were (their step steps only optimizers they hold) show nothing:
+the replicated path.
+
 State an optimizer made before its first step is remade for the copies' tensors where its
 recipe shows (a copy of the values, a constant fill: Adagrad, Lookahead). An optimizer that
 cannot be copied, holds other state before its first step, or steps no plain 2-D tensor takes
@@ -51,6 +56,10 @@ _SHAPES = ((6, 5), (4, 3))
 _CUTS = (13, 5)  # each tensor as two flat pieces: neither a row boundary nor a half
 _CURVATURE = 0.3
 _TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+UNMOVED = ("its copies left the probe's tensors where they were (it steps tensors its param groups do not "
+           "hold: optimizers it holds over groups of their own)")
+"""Why a probe that could not see the update chose the replicated path."""
 
 Piece = tuple[int, Optional[int], Optional[int]]  # (tensor, start, stop): a flat piece, or the whole tensor
 
@@ -100,15 +109,24 @@ def _clone(optimizer: torch.optim.Optimizer, memo: dict) -> torch.optim.Optimize
     return twin
 
 
+def _user_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors in the param groups of ``optimizer`` and of the optimizers it shares them with."""
+    return [p for o in family(optimizer) for g in o.param_groups for p in g["params"]]
+
+
+def _stand_in(p: torch.Tensor) -> torch.Tensor:
+    """What a copy holds where the user's optimizer holds ``p`` outside the groups the probe swaps (an
+    optimizer it holds over the same tensors): no values and no grad, so a step skips it."""
+    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+
+
 def _twin(optimizer: torch.optim.Optimizer, group: dict, tensors: list[torch.Tensor],
           templates: list[early_state.Template]) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` with one group of ``group``'s options over ``tensors`` and the state it
     made before stepping remade for them (its tensors and modules are not copied: the copy's groups
     and state are replaced)."""
-    memo: dict[int, Any] = {}
+    memo: dict[int, Any] = {id(p): _stand_in(p) for p in _user_tensors(optimizer)}
     for o in family(optimizer):
-        for g in o.param_groups:
-            memo.update((id(p), p) for p in g["params"])
         for entry in o.state.values():
             if isinstance(entry, dict):
                 memo.update((id(v), v) for v in entry.values() if torch.is_tensor(v))
@@ -199,6 +217,8 @@ def _group_verdict(optimizer: torch.optim.Optimizer, group: dict, templates: lis
             logger.debug("parts.partition: probing %s in %s: %s", type(optimizer).__name__, dtype, error)
             continue
         tol = _TOL[dtype]
+        if any(torch.equal(together[i], problem.start[i].reshape(-1)) for i in together):
+            return Verdict(REPLICATED, UNMOVED)
         if calls > 1:
             return Verdict(REPLICATED, f"its step calls the closure {calls} times")
         try:

@@ -29,7 +29,7 @@ from parts.partition.whole.early_state import carry
 from parts.partition.whole.full import FullStepper
 from parts.partition.whole.leaves import record_of_leaf
 from parts.partition.whole.paths import PATHS, SHARD, WHOLE, Verdict, choose
-from parts.partition.whole.probe import family
+from parts.partition.whole.probe import UNMOVED, family
 from parts.partition.whole.replicated import ReplicatedStepper
 from parts.partition.whole.stepper import WholeStepper
 
@@ -119,12 +119,41 @@ def route(optimizer: torch.optim.Optimizer, path: Optional[str] = None) -> str:
         _routed[optimizer] = Settled(SHARD)
         return SHARD
     verdict = _agree(choose(optimizer, path), slots[0][2].info)
+    apart = _held_apart(optimizer)
+    if apart:
+        verdict = _beside(optimizer, apart, verdict)
     if verdict.path != SHARD:
         for _, _, record, own in slots:
             if not own:
                 raise RuntimeError(_masters_message(optimizer, record, verdict.path))
     _settle(optimizer, slots, verdict)
     return verdict.path
+
+
+def _held_apart(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers ``optimizer`` holds as attributes over its tensors in param groups it does not share."""
+    mine = {id(t) for g in optimizer.param_groups for t in g["params"]}
+    shared = {id(g) for g in optimizer.param_groups}
+    members = family(optimizer)
+    return [v for v in vars(optimizer).values() if isinstance(v, torch.optim.Optimizer)
+            and all(v is not m for m in members)
+            and any(id(g) not in shared and any(id(t) in mine for t in g["params"]) for g in v.param_groups)]
+
+
+def _beside(optimizer: torch.optim.Optimizer, apart: list, verdict: Verdict) -> Verdict:
+    """The path of an optimizer whose held optimizers step its parameters in groups of their own: its groups
+    stay the shards and each held optimizer takes its own path, where its own update leaves its groups as
+    they are (or is element-wise); else refused."""
+    names, outer = ", ".join(type(o).__name__ for o in apart), type(optimizer).__name__
+    if verdict.why != UNMOVED and verdict.path != SHARD:
+        raise RuntimeError(f"parts.partition: {outer} holds {names} over its parameters in param groups of their "
+                           f"own, and its own update needs the {verdict.path} path, which rewrites only the groups "
+                           f"{outer} holds; build {names} over slices of {outer}'s param groups "
+                           f"(self.inner.param_groups = self.param_groups[i:j]) so that one path covers both")
+    for inner in apart:
+        route(inner)
+    return Verdict(SHARD, f"its step steps the {names} it holds over its parameters in groups of their own, "
+                          f"each on its own path")
 
 
 def _settle(optimizer: torch.optim.Optimizer, slots: list, verdict: Verdict) -> None:
