@@ -36,6 +36,9 @@ TIMEOUT = 240.0  # seconds per recipe from launch; all run at once on a loaded 2
 CLEAN_STDERR = r"Traceback|terminate called|\w+Warning: (?!Failed to initialize NumPy)"
 
 
+pytestmark = pytest.mark.slow  # every test here launches torchrun: run with -m slow (CI does)
+
+
 @dataclass(frozen=True)
 class Case:
     """One recipe run: script, flags (``{workdir}`` is replaced by a fresh directory), check."""
@@ -337,7 +340,6 @@ def launched(request, tmp_path_factory):
         run.kill()
 
 
-@pytest.mark.slow
 def test_train_gpt_resumes_at_another_world_size(launched, tmp_path) -> None:
     """The world-2 DCP checkpoint of the train_gpt case continues at world 3 from step 6 (numpy
     unimportable in both runs, as in a fresh venv: DCP's plans go through parts.comm).

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from parts.partition.whole.probe import ORDER, REPLICATED, SHARD, WHOLE, Verdict, probe, strictest
+from parts.partition.whole.probe import ORDER, REPLICATED, SHARD, WHOLE, Verdict, probe
 
 PATHS = ORDER
 
@@ -115,7 +115,3 @@ def needs_whole(optimizer: torch.optim.Optimizer) -> bool:
 def describe(optimizer: Any) -> str:
     """The optimizer's class name for messages."""
     return type(optimizer).__name__
-
-
-__all__ = ["SHARD", "WHOLE", "REPLICATED", "PATHS", "ELEMENT_WISE", "COUPLED", "PER_TENSOR", "REFUSED", "Verdict",
-           "choose", "verdict", "needs_whole", "strictest", "describe"]
