@@ -20,6 +20,7 @@ from parts.comm.device import comm_tensor, declared_comm_device, gloo_algorithms
 from parts.comm.fake import block_layout, fake_world
 from parts.comm.heartbeat import Heartbeat
 from parts.comm.heartbeat_report import PeerFailure
+from parts.comm.launch import init_process_group
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size, hybrid_groups,
@@ -43,6 +44,7 @@ __all__ = [
     "gloo_algorithms", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "Topology", "launcher_ranks_per_node",
     "agree", "RankDisagreement", "fake_world", "block_layout", "Heartbeat", "PeerFailure",
+    "init_process_group",
     "Codec", "all_gather_quantized", "reduce_scatter_quantized", "all_reduce_mean_quantized",
     "ErrorFeedback", "Quantized", "quantize", "dequantize",
 ]
