@@ -25,8 +25,6 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["REST", "is_folder", "save_folder", "load_folder", "missing_keys"]
-
 REST = "parts_lightning"  # the entry holding the rest of the checkpoint
 _METADATA = ".metadata"
 

@@ -24,8 +24,6 @@ from parts.partition.core.param import unique_params
 from parts.partition.core.replicas import pending_records, sync_replica_grads
 from parts.partition.whole.leaves import record_of_leaf
 
-__all__ = ["is_parts_model", "remember", "params_stepped_by", "module_stepped_by", "clip_by_norm", "clip_by_value"]
-
 # an optimizer -> (its module, the parameters of that module it steps), recorded at set-up
 _stepped: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
 

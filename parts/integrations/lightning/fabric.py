@@ -40,8 +40,6 @@ from parts.integrations.lightning.sharding import Knobs, coordinator_of, shard_a
 from parts.partition import (is_partitioned, load_sharded_optimizer_state_dict, load_sharded_state_dict, no_sync,
                              sharded_optimizer_state_dict, sharded_state_dict, use_shards)
 
-__all__ = ["PartsFabricStrategy"]
-
 
 class _NoSync(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: ``parts.partition.no_sync`` of the model's coordinator."""

@@ -35,8 +35,6 @@ from parts.integrations.lightning.clip import clip_by_norm, clip_by_value, is_pa
 from parts.partition import MixedPrecision
 from parts.partition.coordinator import attached_to
 
-__all__ = ["SUPPORTED", "mixed_precision_for", "adopt_precision", "PartsPrecisionMixin", "PartsTrainerPrecisionMixin"]
-
 SUPPORTED = ("32-true", "bf16-mixed", "bf16-true")
 
 

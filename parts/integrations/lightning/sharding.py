@@ -19,8 +19,6 @@ from parts.integrations.lightning.clip import is_parts_model
 from parts.partition import MixedPrecision, attach, is_partitioned, partition_module, partitioned
 from parts.partition.coordinator import FetchCoordinator, attached_to
 
-__all__ = ["PARTITION_KNOBS", "Knobs", "shard_and_attach", "coordinator_of"]
-
 PARTITION_KNOBS = ("remote_device", "pin_memory", "replicate_group", "mesh", "ranks_per_node")
 
 

@@ -41,8 +41,6 @@ from parts.integrations.lightning.sharding import Knobs, shard_and_attach
 from parts.partition import (is_partitioned, load_sharded_optimizer_state_dict, load_sharded_state_dict, no_sync,
                              sharded_optimizer_state_dict, sharded_state_dict, use_shards)
 
-__all__ = ["PartsStrategy", "OPTIMIZER_KEY"]
-
 OPTIMIZER_KEY = "parts_optimizer_{}"  # the checkpoint entry of the i-th optimizer's state
 
 

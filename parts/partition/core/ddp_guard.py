@@ -22,8 +22,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from parts.partition.core.param import is_partitioned, meta
 
-__all__ = ["NO_DDP", "no_ddp_message", "install"]
-
 NO_DDP = "parts models need no DDP wrap"
 _handle: list = []  # the hook's handle, once installed (process-wide, as the hook is)
 
