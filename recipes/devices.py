@@ -11,7 +11,8 @@ import argparse
 import os
 
 import torch
-import torch.distributed as dist
+
+from parts.comm import init_process_group
 
 CHOICES = ("auto", "cpu", "cuda")
 
@@ -70,12 +71,13 @@ def sync(device: torch.device) -> None:
 
 def init(choice: str) -> torch.device:
     """Start the default process group for ``--device choice`` (NCCL on CUDA, gloo on the CPU)
-    and return this rank's device."""
+    and return this rank's device; ``parts.comm.init_process_group``, so that a group torchrun's
+    agent restarts (``--max-restarts``) connects."""
     device = pick(choice)
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+        init_process_group("nccl", device_id=device)
     else:
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
     return device
 
 
