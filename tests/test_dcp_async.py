@@ -233,3 +233,30 @@ def test_a_script_ending_without_wait_commits_its_last_async_save_or_exits_1_nam
     (out, err), code = launched["fail"].communicate(timeout=240), launched["fail"].returncode
     assert code == 1 and "returned" in out, err
     assert "failed and nobody waited for it" in err and "No space left on device" in err
+
+
+def disk_checkpoints(scratch: str) -> None:
+    """Shards and optimizer state in a DiskStore: a blocking save and an async save of the same state."""
+    import torch.distributed as dist
+    from test_dcp_offload import _model, _optimizer, _train
+
+    from parts.comm import dcp
+    from parts.offload import DiskStore
+    from parts.partition import sharded_optimizer_state_dict, sharded_state_dict
+    store = DiskStore(f"{scratch}/store-{dist.get_rank()}")
+    model = _model("adam", store)
+    opt = _optimizer("adam", model, store)
+    _train(model, opt, 2)
+
+    def state() -> dict:
+        return {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, opt)}
+    dcp.save(state(), checkpoint_id=f"{scratch}/blocking")
+    dcp.async_save(state(), checkpoint_id=f"{scratch}/async").wait()
+    store.close()
+
+
+def test_an_async_save_of_state_in_a_disk_store_equals_a_blocking_one(tmp_path: Path) -> None:
+    from test_dcp_offload import _consolidated, _same
+    run(2, disk_checkpoints, str(tmp_path), timeout=SLOW)
+    blocking, async_ = _consolidated(tmp_path / "blocking"), _consolidated(tmp_path / "async")
+    assert any(".state." in k for k in blocking) and _same(async_, blocking)

@@ -128,7 +128,7 @@ class Heartbeat:
         if exc is None or isinstance(exc, PeerFailure):
             self.stop()
             return
-        if self._failure is None and (isinstance(exc, KeyboardInterrupt) or is_comm_error(exc)):
+        if self._failure is None and is_comm_error(exc):
             self._failed.wait(self.timeout + 2 * self.interval)  # a peer's death: wait to name it
         if self._failure is not None:
             self.stop()
