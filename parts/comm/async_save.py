@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 import torch.distributed.checkpoint as torch_dcp
 
 from parts.base.files import CheckpointError
-from parts.comm import dcp
+from parts.comm import dcp_steps as steps
 from parts.comm import dcp_files as files
 from parts.comm.exit import _failing
 from parts.comm.failure import Failure, attempt, failures_in
@@ -96,14 +96,14 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
     _check_previous()
     if checkpoint_id is None and storage_writer is None:
         raise ValueError("parts.comm.dcp.async_save: give checkpoint_id (a directory) or a storage_writer")
-    target = dcp._target(checkpoint_id, storage_writer, torch_dcp.FileSystemWriter)
-    ranks = dcp._Ranks(group, "async save", target if target is not None else checkpoint_id)
+    target = steps.target(checkpoint_id, storage_writer, torch_dcp.FileSystemWriter)
+    ranks = steps.Ranks(group, "async save", target if target is not None else checkpoint_id)
     staging, token = ranks.on_coordinator(
         "prepare", lambda: (files.begin(target) if target is not None else None, uuid.uuid4().hex))
     staged = (staging, target) if target is not None else None
     try:
-        writer = dcp._writer(storage_writer, staging if staged else checkpoint_id, False)
-        planner, plans, metadata = dcp.plan_save(lambda: _Process.host.take(dcp._plain(state_dict)), ranks,
+        writer = steps.writer(storage_writer, staging if staged else checkpoint_id, False)
+        planner, plans, metadata = steps.plan_save(lambda: _Process.host.take(steps.plain(state_dict)), ranks,
                                                  writer, planner)
     except Exception:
         if staged and ranks.is_coordinator:  # the step was agreed: every rank is past it
@@ -141,7 +141,7 @@ def _background(save: AsyncSave, ranks: Any, gather: StoreGather, writer: torch_
                 staged: Optional[tuple[Path, Path]], storage_writer: Optional[torch_dcp.StorageWriter]) -> None:
     """The thread: this rank's files, then rank 0's commit; the verdict ends ``save`` on every rank."""
     try:
-        mine = attempt(lambda: dcp.write_local(writer, planner, plan, staged, ranks.rank), ranks.rank)[0]
+        mine = attempt(lambda: steps.write_local(writer, planner, plan, staged, ranks.rank), ranks.rank)[0]
         verdict = gather.gather_decide(mine, lambda every: _commit(ranks, writer, metadata, every, staged))
         save._end(*_outcome(ranks, verdict))
     except BaseException as exc:  # noqa: BLE001 - the store failed: the save ends in error, not silently
@@ -161,7 +161,7 @@ def _commit(ranks: Any, writer: torch_dcp.StorageWriter, metadata: torch_dcp.Met
             files.abandon(staged[0])
         return ("write", failed)
     try:
-        return dcp.finish_save(writer, metadata, every, staged)
+        return steps.finish_save(writer, metadata, every, staged)
     except Exception:
         if staged:
             files.abandon(staged[0])

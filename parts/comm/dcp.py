@@ -1,6 +1,6 @@
 """``torch.distributed.checkpoint`` (DCP) for parts: ``save`` and ``load`` that coordinate
 ranks without numpy, agree on every failure, and treat a checkpoint as a transaction. The
-one module (with ``shard_view`` and ``dcp_files``) that imports DCP.
+one module (with ``shard_view``, ``dcp_files`` and ``dcp_steps``) that imports DCP.
 
 ``save``/``load`` run DCP's own steps (planner, storage writer/reader, metadata: the files
 are exactly what ``dcp.save`` writes and ``dcp.load`` reads, and the other way round), but
@@ -30,10 +30,8 @@ segments back to their store, as ``save``/``load`` do when they finish.
 
 from __future__ import annotations
 
-import inspect
-import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -41,60 +39,19 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from parts.base.files import CheckpointError as CheckpointError
 from parts.comm import dcp_files as files
-from parts.comm.agree import all_gather_agreed, broadcast_agreed
-from parts.comm.failure import Failure, describe
-from parts.comm.group import GroupArg, group_info
+from parts.comm.async_save import async_save as start_async_save
+from parts.comm.dcp_steps import Ranks as _Ranks
+from parts.comm.dcp_steps import accepts_kwargs as _accepts_kwargs
+from parts.comm.dcp_steps import finish_save, plan_save, write_local
+from parts.comm.dcp_steps import plain as _plain
+from parts.comm.dcp_steps import target as _target
+from parts.comm.dcp_steps import writer as _writer
+from parts.comm.group import GroupArg
 from parts.comm.shard_view import ShardView as ShardView
 from parts.comm.shard_view import has_deferred
 from parts.comm.shard_view import is_deferred as is_deferred
 from parts.comm.shard_view import same_piece as same_piece
 from parts.comm.shard_view import settle as settle
-
-
-class _Ranks:
-    """The group, and DCP's steps agreed across it: if any rank's part of a step raised, every
-    rank raises ``CheckpointError`` naming the checkpoint, the step, the ranks and their errors."""
-
-    def __init__(self, group: GroupArg, action: str, where: Any) -> None:
-        info = group_info(group, f"parts.comm.dcp.{action}")
-        self.info, self.rank, self.action, self.where = info, info.rank, action, where
-        self.is_coordinator = self.rank == 0
-
-    def error(self, step: str) -> Callable[[Mapping[int, Failure]], CheckpointError]:
-        """What every rank raises when ``step`` failed on some ranks."""
-        def make(failures: Mapping[int, Failure]) -> CheckpointError:
-            ours = all(f.error.startswith(f"{CheckpointError.__name__}:") for f in failures.values())
-            return CheckpointError(
-                f"checkpoint {self.action} of {self.where} failed at its {step} step on rank(s) "
-                f"{sorted(failures)}:\n{describe(failures, tracebacks=not ours)}",
-                path=self.where, failures={r: f.error for r, f in failures.items()})
-        return make
-
-    def central(self, step: str, local: Callable[[], Any], reduce: Callable[[list], Any]) -> Any:
-        """``reduce`` (on rank 0) of every rank's ``local()``, broadcast to every rank."""
-        every = all_gather_agreed(local, self.info, self.error(step))
-        return broadcast_agreed(lambda: reduce(every), 0, self.info, self.error(step))
-
-    def on_coordinator(self, step: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on rank 0, its result on every rank."""
-        return broadcast_agreed(fn, 0, self.info, self.error(step))
-
-
-def _accepts_kwargs(method: Callable) -> bool:
-    return "kwargs" in inspect.signature(method).parameters
-
-
-def _plain(state_dict: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
-
-
-def _target(checkpoint_id: Any, storage: Any, kind: type) -> Optional[Path]:
-    """The local directory the checkpoint is, if it is one (a path, or the file-system
-    writer's/reader's own); None for other storage."""
-    if storage is not None and not isinstance(storage, kind):
-        return None
-    where = checkpoint_id if checkpoint_id is not None else getattr(storage, "path", None)
-    return Path(where) if isinstance(where, (str, os.PathLike)) else None
 
 
 def save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
@@ -135,56 +92,6 @@ def _save(state_dict: dict[str, Any], ranks: _Ranks, writer: dcp.StorageWriter,
     planner, plans, metadata = plan_save(lambda: _plain(state_dict), ranks, writer, planner)
     return ranks.central("write", lambda: write_local(writer, planner, plans[ranks.rank], staged, ranks.rank),
                          lambda every: finish_save(writer, metadata, every, staged))
-
-
-def plan_save(plain: Callable[[], dict[str, Any]], ranks: _Ranks, writer: dcp.StorageWriter,
-              planner: Optional[dcp.SavePlanner]) -> tuple[dcp.SavePlanner, list, dcp.Metadata]:
-    """DCP's planning step, agreed: the planner, every rank's final plan and (on rank 0) the
-    checkpoint's metadata. ``plain()`` (the state dict DCP sees) runs inside the agreed step."""
-    planner = planner or dcp.DefaultSavePlanner()
-    metadata = []
-
-    def local_plan() -> Any:
-        planner.set_up_planner(plain(), writer.storage_meta(), ranks.is_coordinator)
-        if _accepts_kwargs(writer.set_up_storage_writer):
-            writer.set_up_storage_writer(ranks.is_coordinator, rank=ranks.rank, use_collectives=True)
-        else:
-            writer.set_up_storage_writer(ranks.is_coordinator)
-        return writer.prepare_local_plan(planner.create_local_plan())
-
-    def global_plan(plans: list) -> list:
-        plans, meta = planner.create_global_plan(plans)
-        metadata.append(meta)
-        return writer.prepare_global_plan(plans)
-
-    plans = ranks.central("plan", local_plan, global_plan)
-    return planner, plans, (metadata[0] if metadata else None)
-
-
-def write_local(writer: dcp.StorageWriter, planner: dcp.SavePlanner, plan: Any,
-                staged: Optional[tuple[Path, Path]], rank: int) -> tuple[list, dict]:
-    """This rank's files of the checkpoint: DCP's write results and (into a staging folder)
-    each file's digest. Local file IO only: no collective."""
-    try:
-        futures = writer.write_data(planner.finish_plan(plan), planner)
-        futures.wait()
-        results = futures.value()
-    except Exception as exc:
-        if staged:  # name the files: an OSError of torch's serializer names none
-            raise files.write_failed(staged[0], rank, exc) from exc
-        raise
-    return results, (files.digests(staged[0], files.written_files(results)) if staged else {})
-
-
-def finish_save(writer: dcp.StorageWriter, metadata: dcp.Metadata, every: list,
-                staged: Optional[tuple[Path, Path]]) -> dcp.Metadata:
-    """Rank 0, once every rank wrote (``every``: their ``write_local`` results): DCP's metadata,
-    then, into a directory, the manifest and the commit."""
-    writer.finish(metadata=metadata, results=[results for results, _ in every])
-    if staged:
-        files.seal(staged[0], {name: d for _, digests in every for name, d in digests.items()})
-        files.commit(*staged)
-    return metadata
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
@@ -269,14 +176,6 @@ def _files_read(plan: Any, metadata: dcp.Metadata) -> set[str]:
     return names
 
 
-def _writer(writer: Optional[dcp.StorageWriter], checkpoint_id: Any, deferred: bool) -> dcp.StorageWriter:
-    if writer is None:
-        return dcp.FileSystemWriter(checkpoint_id, single_file_per_rank=not deferred)
-    if checkpoint_id is not None:
-        writer.reset(checkpoint_id)
-    return writer
-
-
 def _reader(reader: Optional[dcp.StorageReader], checkpoint_id: Any) -> dcp.StorageReader:
     if reader is None:
         return dcp.FileSystemReader(checkpoint_id)
@@ -293,6 +192,5 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: Any = None,
 
     A second ``async_save`` waits for the previous one and raises its error if it failed, as
     ``wait()`` does; see ``parts.comm.async_save``."""
-    from parts.comm.async_save import async_save as start  # the module builds on this one
-    return start(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                 group=group)
+    return start_async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                            planner=planner, group=group)
