@@ -28,11 +28,11 @@ def test_a_restarted_group_connects_with_parts_init_process_group_where_torchs_f
     jobs = {how: launch(how) for how in ("plain", "parts")}  # side by side
     outputs = {how: job.communicate(timeout=600)[0] for how, job in jobs.items()}
     plain, parts = outputs["plain"], outputs["parts"]
+    # torch's restarted group fails in connectFullMesh, or connects in part and times out
     assert jobs["plain"].returncode != 0, plain[-3000:]
-    assert "exitcode: -9" in plain and "Gloo connectFullMesh failed" in plain, plain[-3000:]
     assert "start 1 rank" not in plain, plain[-3000:]  # no rank of the restarted group finished
     assert jobs["parts"].returncode == 0, parts[-3000:]
-    assert "exitcode: -9" in parts, parts[-3000:]  # rank 1 was killed, and the group restarted
+    assert "start 0 rank 0 done" not in parts, parts[-3000:]  # the first start was cut short
     for rank in range(WORLD):
         assert f"start 1 rank {rank} done {10 * WORLD}" in parts, parts[-3000:]
 
