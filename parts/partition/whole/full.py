@@ -11,6 +11,7 @@ closure's forward sees them) and ``after_closure`` (its grads to the full tensor
 
 from __future__ import annotations
 
+import abc
 import types
 import weakref
 from typing import Any, Iterable
@@ -54,7 +55,7 @@ def _install_zero_grad(optimizer: torch.optim.Optimizer, records: list) -> None:
     optimizer.__dict__["zero_grad"] = types.MethodType(zero_grad, optimizer)
 
 
-class FullStepper:
+class FullStepper(abc.ABC):
     """Full-shape tensors in an optimizer's groups for sharded parameters, one process group and dtype."""
 
     path = ""
@@ -104,22 +105,22 @@ class FullStepper:
         """Bytes of the parameters' full values."""
         return sum(m.numel for m in self.records) * torch.empty(0, dtype=self.dtype).element_size()
 
+    @abc.abstractmethod
     def before(self) -> None:
         """Give the full tensors their grads (and their values, where stale) before a step."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def after(self) -> None:
         """Write the updated full values into the shards and drop the full grads after a step."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def before_closure(self) -> None:
         """Write the current full values into the shards before a closure's forward."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def after_closure(self) -> None:
         """Give the full tensors the grads a closure's backward left in the grad shards."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def costs(self) -> str:
         """Memory per rank and bytes per step, for the log line."""
-        raise NotImplementedError
