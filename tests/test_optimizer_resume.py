@@ -154,11 +154,20 @@ def save_body(path: str, kind: str) -> None:
         restore()
 
 
+def _load_full(path: str, model, opts: list) -> None:
+    """Load the full state file global rank 0 reads (the others pass None) into ``model`` and ``opts``."""
+    from parts.partition import load_full_optimizer_state_dict, load_full_state_dict
+    full = torch.load(os.path.join(path, "full.pt"), weights_only=True) if dist.get_rank() == 0 else None
+    load_full_state_dict(model, full["model"] if full else None)
+    for i, o in enumerate(opts):
+        load_full_optimizer_state_dict(model, o, full["optim"][i] if full else None)
+
+
 def resume_body(path: str, kind: str, how: str) -> dict[str, torch.Tensor]:
     """A fresh model and never-stepped optimizers load the checkpoint (``how``), then step to STEPS."""
     from parts.comm import dcp
-    from parts.partition import (full_state_dict, load_full_state_dict, load_sharded_optimizer_state_dict,
-                                 load_sharded_state_dict, sharded_optimizer_state_dict, sharded_state_dict)
+    from parts.partition import (full_state_dict, load_sharded_optimizer_state_dict, load_sharded_state_dict,
+                                 sharded_optimizer_state_dict, sharded_state_dict)
     restore = _ns_in_grad_dtype([])
     try:
         model, opts = _fresh(kind, 1)
@@ -170,11 +179,7 @@ def resume_body(path: str, kind: str, how: str) -> dict[str, torch.Tensor]:
             for i, o in enumerate(opts):
                 load_sharded_optimizer_state_dict(model, o, state[f"optim{i}"])
         else:
-            from parts.partition import load_full_optimizer_state_dict
-            full = torch.load(os.path.join(path, "full.pt"), weights_only=True) if dist.get_rank() == 0 else None
-            load_full_state_dict(model, full["model"] if full else None)
-            for i, o in enumerate(opts):
-                load_full_optimizer_state_dict(model, o, full["optim"][i] if full else None)
+            _load_full(path, model, opts)
         _steps(model, opts, range(SAVE_AFTER, STEPS))
         return full_state_dict(model, rank0_only=False)
     finally:
@@ -203,8 +208,7 @@ def hybrid_body(path: str, kind: str) -> dict[str, torch.Tensor]:
     read (the others pass None), then steps to STEPS."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parts.partition import (attach, full_state_dict, load_full_optimizer_state_dict, load_full_state_dict,
-                                 partition_module, shards)
+    from parts.partition import attach, full_state_dict, partition_module, shards
     restore = _ns_in_grad_dtype([])
     try:
         torch.manual_seed(1)
@@ -212,10 +216,7 @@ def hybrid_body(path: str, kind: str) -> dict[str, torch.Tensor]:
         model = partition_module(Shapes().double(), mesh=mesh)
         attach(model)
         opts = optimizers(kind, shards(model))
-        full = torch.load(os.path.join(path, "full.pt"), weights_only=True) if dist.get_rank() == 0 else None
-        load_full_state_dict(model, full["model"] if full else None)
-        for i, o in enumerate(opts):
-            load_full_optimizer_state_dict(model, o, full["optim"][i] if full else None)
+        _load_full(path, model, opts)
         _steps(model, opts, range(SAVE_AFTER, STEPS))
         return full_state_dict(model, rank0_only=False)
     finally:
