@@ -29,11 +29,12 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import weakref
 from typing import Any, Callable, Optional
+
+from parts.base import owner
 
 OWNER_FILE = "owner.json"
 PREFIX = "parts-store-"
@@ -43,63 +44,20 @@ _live: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()  
 _installed: dict[str, Any] = {}  # "pid" of the process whose handler is in place, "previous" handler
 
 
-def _start_time(pid: int) -> Optional[str]:
-    """The start time of process ``pid`` (clock ticks since boot), or None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    if fields and fields[0] == "Z":  # a zombie: dead, not reaped yet
-        return "zombie"
-    return fields[19] if len(fields) > 19 else None
-
-
-def _read(path: str, link: bool = False) -> Optional[str]:
-    """The text (or link target) at ``path``, or None where there is none."""
-    try:
-        if link:
-            return os.readlink(path)
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _here() -> dict[str, Optional[str]]:
-    """This host, pid namespace and boot."""
-    return {"host": socket.gethostname(), "pidns": _read("/proc/self/ns/pid", link=True),
-            "boot": _read("/proc/sys/kernel/random/boot_id")}
-
-
 def write_owner(directory: str) -> None:
     """Record this process as the owner of ``directory``."""
-    owner = {**_here(), "pid": os.getpid(), "start": _start_time(os.getpid())}
     with open(os.path.join(directory, OWNER_FILE), "w") as f:
-        json.dump(owner, f)
+        json.dump(owner.record(), f)
 
 
 def _owner_gone(directory: str, here: dict[str, Optional[str]]) -> bool:
     """True if ``directory``'s recorded owner is a process of this host that no longer runs."""
     try:
         with open(os.path.join(directory, OWNER_FILE)) as f:
-            owner = json.load(f)
-        pid, start = int(owner["pid"]), owner.get("start")
-    except (OSError, ValueError, KeyError, TypeError):
+            record = json.load(f)
+    except (OSError, ValueError):
         return False  # no (readable) record: not ours to judge
-    if owner.get("host") != here["host"] or owner.get("pidns") != here["pidns"] or pid == os.getpid():
-        return False
-    if here["boot"] is not None and owner.get("boot") not in (None, here["boot"]):
-        return True  # the machine rebooted since
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    now = _start_time(pid)
-    return now == "zombie" or (start is not None and now is not None and now != start)
+    return owner.gone(record, here)
 
 
 def make_dir(path: str) -> "Watch":
@@ -154,7 +112,7 @@ def directory_bytes(directory: str) -> int:
 
 def reclaim(path: str, keep: str) -> int:
     """Remove the store directories under ``path`` (not ``keep``) whose owner is gone; the bytes freed."""
-    here, freed, count = _here(), 0, 0
+    here, freed, count = owner.here(), 0, 0
     try:
         names = [n for n in os.listdir(path) if n.startswith(PREFIX)]
     except OSError:
