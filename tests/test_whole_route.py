@@ -5,13 +5,14 @@ rebuilds it, probes every param group, and is not fooled by an update that is el
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
 from harness import run
-from optim_catalogue import MuonAdamW
+from optim_catalogue import GlobalNormSGD, MuonAdamW
 from test_whole_optim import RTOL, Lamb, Shapes, SignSGD, train_body
 
 from parts.partition import partition_module, shards
@@ -38,22 +39,6 @@ class ClippedAdam(torch.optim.Optimizer):
                 v = state.setdefault("v", torch.zeros_like(p)).mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 clip = (p.grad.square() / v.clamp(min=1e-30)).mean().sqrt().clamp(min=1.0)
                 p.addcdiv_(m, v.sqrt().add_(group["eps"]), value=-group["lr"] / float(clip))
-
-
-class GlobalNormSGD(torch.optim.Optimizer):
-    """SGD on grads divided by their norm over all parameters: each tensor's update depends on the others."""
-
-    def __init__(self, params, lr=1e-1):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.sqrt(sum((g * g).sum() for g in grads))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad / norm, alpha=-group["lr"])
 
 
 class TwoCalls(torch.optim.Optimizer):
@@ -90,7 +75,7 @@ def test_an_update_element_wise_only_on_its_first_step_takes_the_whole_path() ->
 
 
 def test_coupled_updates_and_repeated_closures_take_the_replicated_path() -> None:
-    found = choose(GlobalNormSGD(_matrix()), None)
+    found = choose(GlobalNormSGD(_matrix(), lr=1e-1), None)
     assert found.path == "replicated" and "depends on the other tensors" in found.why
     found = choose(TwoCalls(_matrix()), None)
     assert found.path == "replicated" and "calls the closure 2 times" in found.why
@@ -146,8 +131,8 @@ def log_body() -> list[str]:
         torch.manual_seed(0)
         model = partition_module(Shapes().double())
         attach(model)
-        for cls in (torch.optim.Adafactor, torch.optim.AdamW, GlobalNormSGD):
-            route(cls(shards(model)))
+        for make in (torch.optim.Adafactor, torch.optim.AdamW, functools.partial(GlobalNormSGD, lr=1e-1)):
+            route(make(shards(model)))
         detach(model)
     finally:
         logger.removeHandler(handler)
