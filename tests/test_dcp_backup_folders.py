@@ -19,40 +19,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
+from dcp_swap import killed_after, load_as, save_as
 from harness import run
 
 SLOW = 120.0
-
-
-def _model(seed: int) -> torch.nn.Module:
-    from parts.partition import partitioned
-    torch.manual_seed(seed)
-    with partitioned():
-        return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3))
-
-
-def _save(seed: int, path: str) -> None:
-    from parts.comm import dcp
-    from parts.partition import sharded_state_dict
-    dcp.save({"model": sharded_state_dict(_model(seed))}, checkpoint_id=path)
-
-
-def save_as(path: str, seed: int) -> None:
-    _save(seed, path)
-
-
-def load_as(path: str, seed: int) -> bool:
-    """Whether ``path`` loads into a fresh model as the weights of a model built with ``seed``."""
-    from parts.comm import dcp
-    from parts.partition import full_state_dict, load_sharded_state_dict, sharded_state_dict
-    model = _model(1000)
-    state = {"model": sharded_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
-    load_sharded_state_dict(model, state["model"])
-    want = full_state_dict(_model(seed), rank0_only=False)
-    return all(torch.equal(v, want[k]) for k, v in full_state_dict(model, rank0_only=False).items())
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
@@ -126,39 +97,18 @@ def test_a_save_whose_staging_names_are_both_taken_refuses_naming_the_folder(
     assert all((tmp_path / n / "mine.txt").read_text() == n for n in ("run.saving", "run.saving-abcdef12"))
 
 
-@contextlib.contextmanager
 def _killed_after(renames: int):
     """Rank 0's save stops after ``renames`` moves of files out of or into ``run`` (or, after
     all of them, when it removes what it moved aside), as a killed process would: no clean-up runs."""
-    import parts.comm.dcp_files as files
-    real = (files.os.rename, files.shutil.rmtree, files._recover, files.abandon)
-    count = [0]
-
-    def rename(src, dst):
-        if "run" not in (Path(src).parent.name, Path(dst).parent.name):  # not a move of the swap
-            return real[0](src, dst)
-        if count[0] >= renames:
-            raise OSError("killed")
-        count[0] += 1
-        return real[0](src, dst)
-
-    def rmtree(path, ignore_errors=False):
-        if count[0] >= renames and count[0] > 0:
-            raise OSError("killed")
-        real[1](path, ignore_errors=ignore_errors)
-    files.os.rename, files.shutil.rmtree = rename, rmtree
-    files._recover, files.abandon = (lambda target: None), (lambda staging: None)
-    try:
-        yield
-    finally:
-        files.os.rename, files.shutil.rmtree, files._recover, files.abandon = real
+    return killed_after(renames, lambda src, dst: "run" in (Path(src).parent.name, Path(dst).parent.name),
+                        lambda path, renamed: renamed > 0)
 
 
 def save_killed(path: str, renames: int) -> None:
     import torch.distributed as dist
     with _killed_after(renames) if dist.get_rank() == 0 else contextlib.nullcontext():
         with contextlib.suppress(Exception):
-            _save(2, path)
+            save_as(path, 2)
 
 
 @pytest.mark.parametrize("renames,seed", [(1, 1), (7, 1), (8, 2)])

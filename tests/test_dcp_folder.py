@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
+from dcp_swap import killed_after, load_as, save_as
 from harness import run
 
 SLOW = 120.0
@@ -33,46 +33,13 @@ def _kept(folder: Path) -> bool:
     return all((folder / name).is_file() and (folder / name).read_text() == text for name, text in USER.items())
 
 
-def _model(seed: int) -> torch.nn.Module:
-    from parts.partition import partitioned
-    torch.manual_seed(seed)
-    with partitioned():
-        return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 3))
-
-
-def _save(seed: int, path: str) -> None:
-    from parts.comm import dcp
-    from parts.partition import sharded_state_dict
-    dcp.save({"model": sharded_state_dict(_model(seed))}, checkpoint_id=path)
-
-
-def _loads(seed: int, path: str) -> bool:
-    """Whether ``path`` loads into a fresh model as the weights of a model built with ``seed``."""
-    from parts.comm import dcp
-    from parts.partition import full_state_dict, load_sharded_state_dict, sharded_state_dict
-    model = _model(1000)
-    state = {"model": sharded_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
-    load_sharded_state_dict(model, state["model"])
-    want = full_state_dict(_model(seed), rank0_only=False)
-    return all(torch.equal(v, want[k]) for k, v in full_state_dict(model, rank0_only=False).items())
-
-
-def save_once(path: str, seed: int) -> None:
-    _save(seed, path)
-
-
-def load_as(path: str, seed: int) -> bool:
-    return _loads(seed, path)
-
-
 def test_a_save_into_a_folder_of_user_files_keeps_them_and_replaces_its_own(tmp_path: Path) -> None:
     folder = tmp_path / "run"
     folder.mkdir()
     _user_files(folder)
-    run(3, save_once, str(folder), 1, timeout=SLOW)
+    run(3, save_as, str(folder), 1, timeout=SLOW)
     assert _kept(folder) and (folder / "__2_0.distcp").is_file()
-    run(2, save_once, str(folder), 2, timeout=SLOW)
+    run(2, save_as, str(folder), 2, timeout=SLOW)
     assert _kept(folder)
     assert not (folder / "__2_0.distcp").exists()  # the world-3 checkpoint's own file is gone
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no .old or .saving left
@@ -85,10 +52,10 @@ def save_into_cwd(folder: str) -> dict:
     os.chdir(folder)
     try:
         for seed in (1, 2):
-            _save(seed, os.getcwd())
+            save_as(os.getcwd(), seed)
             dist.barrier()
         return {"cwd": os.path.isdir(os.getcwd()) and os.path.samefile(os.getcwd(), folder),
-                "kept": _kept(Path(".")), "loads": _loads(2, ".")}
+                "kept": _kept(Path(".")), "loads": load_as(".", 2)}
     finally:
         os.chdir(before)
 
@@ -101,40 +68,19 @@ def test_a_save_into_the_working_directory_keeps_it_and_its_files(tmp_path: Path
         assert rank == {"cwd": True, "kept": True, "loads": True}
 
 
-@contextlib.contextmanager
 def _killed_after(renames: int):
     """Rank 0's save stops after ``renames`` renames of its swap (or, after all of them, when it
     removes what it moved aside), as a killed process would: no clean-up runs."""
-    import parts.comm.dcp_files as files
-    real = (files.os.rename, files.shutil.rmtree, files._recover, files.abandon)
-    count = [0]
-
-    def rename(src, dst):
-        if Path(dst).parent.name not in ("run", "run.old"):  # not a move of the swap
-            return real[0](src, dst)
-        if count[0] >= renames:
-            raise OSError("killed")
-        count[0] += 1
-        return real[0](src, dst)
-
-    def rmtree(path, ignore_errors=False):
-        if count[0] >= renames and Path(path).name == "run.old":
-            raise OSError("killed")
-        real[1](path, ignore_errors=ignore_errors)
-    files.os.rename, files.shutil.rmtree = rename, rmtree
-    files._recover, files.abandon = (lambda target: None), (lambda staging: None)
-    try:
-        yield
-    finally:
-        files.os.rename, files.shutil.rmtree, files._recover, files.abandon = real
+    return killed_after(renames, lambda src, dst: Path(dst).parent.name in ("run", "run.old"),
+                        lambda path, renamed: Path(path).name == "run.old")
 
 
 def save_killed(path: str, renames: int) -> None:
     import torch.distributed as dist
-    _save(1, path)
+    save_as(path, 1)
     with _killed_after(renames) if dist.get_rank() == 0 else contextlib.nullcontext():
         with contextlib.suppress(Exception):
-            _save(2, path)
+            save_as(path, 2)
 
 
 @pytest.mark.parametrize("renames,seed", [(1, 1), (5, 1), (7, 1), (8, 2)])
