@@ -214,6 +214,18 @@ def _step(name: str, model: torch.nn.Module, opts: list, x: torch.Tensor) -> Non
         o.step((lambda: loss) if mode == "loss" else None)
 
 
+def step_both(reference: torch.nn.Module, model: torch.nn.Module, opts: tuple, step: int) -> None:
+    """Step ``step``: ``reference`` on the whole batch, ``model`` on this rank's slice of it, then every
+    optimizer of ``opts`` steps and zeroes its grads."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+    reference(x).backward()
+    model(x.chunk(world)[rank]).backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
 def _train(name: str, model: torch.nn.Module, params: list, rank: Any, world: int, path: Any = None) -> list:
     """The optimizers of ``name`` after ``STEPS`` steps of ``model``."""
     opts = _optimizers(name, params, path)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run
-from optim_catalogue import catalogue_body
+from optim_catalogue import GlobalNormSGD, catalogue_body, step_both
 from test_whole_hybrid import _layout
 from test_whole_optim import Shapes
 
@@ -169,8 +169,6 @@ def test_lbfgs_on_a_2x2_hybrid_layout_equals_one_process_and_sees_its_loss() -> 
 
 
 def early_route_body(path: str) -> dict:
-    from optim_catalogue import GlobalNormSGD
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = Shapes().double()
     model = partition_module(copy.deepcopy(reference))
@@ -179,12 +177,7 @@ def early_route_body(path: str) -> dict:
     ref_opt, opt = make(reference.parameters(), lr=1e-2), make(shards(model), lr=1e-2)
     taken = route(opt)  # right after building, before any forward
     for step in range(4):
-        x = torch.randn(12, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
-        reference(x).backward()
-        model(x.chunk(world)[rank]).backward()
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
+        step_both(reference, model, (ref_opt, opt), step)
     got = full_state_dict(model, rank0_only=False)
     detach(model)
     return {"path": taken, "errors": {k: float((got[k] - v).abs().max()) for k, v in reference.state_dict().items()}}

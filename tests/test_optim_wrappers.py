@@ -12,9 +12,8 @@ import importlib.util
 
 import pytest
 import torch
-import torch.distributed as dist
 from harness import RankFailure, run
-from optim_catalogue import catalogue_body
+from optim_catalogue import catalogue_body, step_both
 from test_whole_optim import Shapes
 
 TOL = 1e-9
@@ -68,7 +67,6 @@ def test_stepping_the_optimizer_a_wrapper_holds_is_refused_naming_the_wrapper() 
 def ema_body(copy_outside: bool) -> dict:
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
     from parts.partition import attach, detach, full_state_dict, gathered, partition_module, shards
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = Shapes().double()
     model = partition_module(copy.deepcopy(reference))
@@ -81,12 +79,7 @@ def ema_body(copy_outside: bool) -> dict:
     ema = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     ref_opt, opt = torch.optim.AdamW(reference.parameters(), lr=1e-2), torch.optim.AdamW(shards(model), lr=1e-2)
     for step in range(4):
-        x = torch.randn(12, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
-        reference(x).backward()
-        model(x.chunk(world)[rank]).backward()
-        for o in (ref_opt, opt):
-            o.step()
-            o.zero_grad()
+        step_both(reference, model, (ref_opt, opt), step)
         ref_ema.update_parameters(reference)
         with gathered(list(model.parameters())):
             ema.update_parameters(model)
