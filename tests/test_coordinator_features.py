@@ -5,8 +5,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from harness import RankFailure, run
+from hidden_weight import Hidden
 from torch import nn
 
 from parts.partition import gathered, meta, partition_module, shards
@@ -133,18 +133,6 @@ def test_dict_and_dataclass_outputs_get_backward_fetches():
 
 
 # ------------------------------------------------------------------ external parameters
-class Hidden(nn.Module):
-    """Uses a parameter it reaches without attribute access (not detectable)."""
-
-    def __init__(self, other: nn.Linear) -> None:
-        super().__init__()
-        self.lin = nn.Linear(DIM, DIM)
-        self.__dict__["refs"] = [other.weight]
-
-    def forward(self, x):
-        return F.linear(self.lin(x), self.refs[0])
-
-
 class TwoPart(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from harness import run
+from hidden_weight import Hidden
 from torch import nn
 
 from parts.checkpoint import checkpoint as parts_checkpoint
@@ -119,18 +120,6 @@ def test_registering_a_returned_parameter_still_trains_like_one_process():
     for want, got, _ in run(2, _train_returned, "none", True, timeout=120):
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-9, atol=1e-12, msg=key)
-
-
-class Hidden(nn.Module):
-    """Uses another module's weight, kept where no read of ``module.weight`` reports it."""
-
-    def __init__(self, other: nn.Linear) -> None:
-        super().__init__()
-        self.lin = nn.Linear(DIM, DIM)
-        self.__dict__["refs"] = [other.weight]
-
-    def forward(self, x):
-        return F.linear(self.lin(x), self.refs[0])
 
 
 def _hidden_use() -> str:
