@@ -21,6 +21,8 @@ from parts.comm.fake import block_layout, fake_world
 from parts.comm.heartbeat import Heartbeat
 from parts.comm.heartbeat_report import PeerFailure
 from parts.comm.launch import init_process_group
+from parts.comm.snapshots import Snapshots
+from parts.comm.snapshot_restore import Restored
 from parts.comm.objects import all_gather_objects, broadcast_object
 from parts.comm.gloo import all_gather_direct, reduce_scatter_consuming
 from parts.comm.group import (GroupArg, GroupInfo, ProcessGroup, WeakGroup, check_member, env_world_size, hybrid_groups,
@@ -44,7 +46,7 @@ __all__ = [
     "gloo_algorithms", "group_key", "all_gather_direct", "reduce_scatter_consuming",
     "Waitable", "Work", "WorkList", "Topology", "launcher_ranks_per_node",
     "agree", "RankDisagreement", "fake_world", "block_layout", "Heartbeat", "PeerFailure",
-    "init_process_group",
+    "init_process_group", "Snapshots", "Restored",
     "Codec", "all_gather_quantized", "reduce_scatter_quantized", "all_reduce_mean_quantized",
     "ErrorFeedback", "Quantized", "quantize", "dequantize",
 ]
