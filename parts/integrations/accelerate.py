@@ -52,6 +52,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import nn
 
+from parts.integrations.attached import check_attached_precision
 from parts.integrations.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
                                            save_sharded_optimizer)
 from parts.partition import MixedPrecision, attach, clip_grad_norm_, full_state_dict, is_partitioned, use_shards
@@ -92,12 +93,9 @@ def attach_with(model: nn.Module, mode: Any) -> FetchCoordinator:
     coordinator = attached_to(model)
     if coordinator is None:
         return attach(model, mixed_precision=policy)
-    have = coordinator.mixed_precision
-    if policy is not None and (have is None or have.param_dtype != policy.param_dtype):
-        raise ValueError(f"parts: mixed_precision='bf16' is asked for but {type(model).__name__} is attached "
-                         f"with mixed_precision={have!r}, so it would compute in "
-                         f"{'fp32' if have is None else have.param_dtype}; attach it with "
-                         f"mixed_precision=parts.partition.MixedPrecision() or leave attaching to parts")
+    check_attached_precision(model, coordinator, policy, "parts: mixed_precision='bf16' is asked for",
+                             "attach it with mixed_precision=parts.partition.MixedPrecision() or leave "
+                             "attaching to parts")
     return coordinator
 
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from parts.integrations.attached import check_attached_precision
 from parts.integrations.lightning.clip import is_parts_model
 from parts.partition import MixedPrecision, attach, is_partitioned, partition_module, partitioned
 from parts.partition.coordinator import FetchCoordinator, attached_to
@@ -55,12 +56,9 @@ def coordinator_of(module: nn.Module) -> Optional[FetchCoordinator]:
 
 
 def _check_policy(module: nn.Module, coordinator: FetchCoordinator, policy: Optional[MixedPrecision]) -> None:
-    have = coordinator.mixed_precision
-    if policy is not None and (have is None or have.param_dtype != policy.param_dtype):
-        raise ValueError(f"parts strategy: precision='bf16-mixed' but {type(module).__name__} is attached "
-                         f"with mixed_precision={have!r}, so it would compute in "
-                         f"{'fp32' if have is None else have.param_dtype}; leave attaching to the strategy "
-                         f"or attach with mixed_precision=parts.partition.MixedPrecision()")
+    check_attached_precision(module, coordinator, policy, "parts strategy: precision='bf16-mixed'",
+                             "leave attaching to the strategy or attach with "
+                             "mixed_precision=parts.partition.MixedPrecision()")
 
 
 def shard_and_attach(module: nn.Module, knobs: Knobs, policy: Optional[MixedPrecision],
