@@ -95,6 +95,7 @@ def slow_step(seconds: float) -> dict:
     return {"failure": beat.failure, "total": total.item(), "cpu_s": beat.thread_cpu_s}
 
 
+@pytest.mark.slow
 def test_a_step_longer_than_the_timeout_is_not_a_failure() -> None:
     for rank, got in enumerate(run(2, slow_step, 6.5, timeout=90)):
         assert got["failure"] is None and got["total"] == 2.0, (rank, got)

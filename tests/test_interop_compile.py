@@ -165,6 +165,7 @@ def test_torch_compile_and_module_compile_of_attached_llama_match_eager():
         _assert_matches_eager(out, hows)
 
 
+@pytest.mark.slow
 def test_torch_compile_of_attached_gpt2_with_mixed_precision_matches_eager():
     # tied lm_head, bf16 compute from fp32 shards
     pytest.importorskip("transformers")

@@ -167,6 +167,7 @@ def _train_body(system: str, steps: int) -> list:
     return losses
 
 
+@pytest.mark.slow
 def test_policy_tracks_fp32_as_closely_as_fsdp2() -> None:
     steps = 30
     fp32 = run(2, _train_body, "fp32", steps, timeout=300)[0]

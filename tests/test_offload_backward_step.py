@@ -252,6 +252,7 @@ def test_step_in_backward_other_optimizers(tmp_path, kind):
         _check(out)
 
 
+@pytest.mark.slow
 def test_step_in_backward_slow_writer(tmp_path):
     for out in run(2, body_equivalence, str(tmp_path), "adamw", True):
         _check(out, slow=True)

@@ -83,6 +83,7 @@ def body_round_trip(tmp):
     return checks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_offloaded_state_dicts_equal_memory_and_round_trip(tmp_path, world):
     for checks in run(world, body_round_trip, str(tmp_path), timeout=120.0):

@@ -81,6 +81,7 @@ def body_slow_writer(tmp):
     return same, flights, len(slept), torn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_writes_behind_and_reads_ahead_stay_bitwise_under_a_slow_writer(tmp_path, world):
     for same, flights, slept, torn in run(world, body_slow_writer, str(tmp_path), timeout=120.0):

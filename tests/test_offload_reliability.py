@@ -15,6 +15,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -262,6 +263,7 @@ def body_bounded(tmp: str):
     return counts
 
 
+@pytest.mark.slow
 def test_store_bookkeeping_stays_bounded(tmp_path):
     for train_5, train_25, fwd_5, fwd_25 in run(2, body_bounded, str(tmp_path), timeout=FAST):
         assert train_25 <= train_5 and fwd_25 <= fwd_5, (train_5, train_25, fwd_5, fwd_25)
@@ -419,6 +421,7 @@ def body_sigterm_while_making(tmp: str, runs: int) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_store_is_being_made_leaves_no_scratch_behind(tmp_path):
     """The directory is the handler's from the moment it exists: a SIGTERM while the store writes
     its owner record or reclaims dead owners' directories removes it too."""

@@ -6,6 +6,7 @@ stays bitwise equal to training in memory."""
 import math
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -190,6 +191,7 @@ def body_offload_with_device_compute(tmp, in_backward):
     return out
 
 
+@pytest.mark.slow
 def test_offload_with_device_compute_equals_memory(tmp_path):
     for in_backward in (False, True):
         for out in run(2, body_offload_with_device_compute, str(tmp_path / str(in_backward)), in_backward):

@@ -11,6 +11,7 @@ and consolidated state dicts and their loads stay within one fp32 master's padde
 plus its shard (the consolidated gather's buffers); each stored tensor is read exactly once.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -199,6 +200,7 @@ def _same_rank_dicts(a, b):
                for ga, gb in zip(a["sharded"], b["sharded"]) for x, y in zip(ga, gb))
 
 
+@pytest.mark.slow
 def test_bf16_offloaded_state_dicts_hold_one_parameter(tmp_path):
     for r in run(2, body_bf16_state_dicts, str(tmp_path)):
         assert r["same"], r

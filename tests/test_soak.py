@@ -201,6 +201,7 @@ def body_recipe_loop(path: str, steps: int) -> list[tuple[int, dict]]:
     return samples
 
 
+@pytest.mark.slow
 def test_recipe_loop_allocates_nothing_per_step(tmp_path) -> None:
     """BF16Optimizer, MixedPrecision, eval and a DCP save every 10 steps: after warm-up no Python
     object, no tensor byte and (almost) no C heap byte is kept per step, on either rank."""
