@@ -52,6 +52,7 @@ from parts.partition.coordinator import (CoordinatorStats, FetchCoordinator, Ran
                                          set_replica_sync)
 from parts.partition.coordinator.generating import generating
 from parts.partition.whole import route
+from parts.partition.reproducible import backward_units, mean_loss, unit_range, unit_rows
 
 __all__ = [
     "ShardLayout",
@@ -69,4 +70,5 @@ __all__ = [
     "RankDivergence", "CoordinatorStats", "MixedPrecision", "Compression",
     "clip_grad_norm_", "grad_norm", "load_pretrained", "num_parameters", "resize_token_embeddings",
     "compile_blocks", "uncompile_blocks",
+    "backward_units", "mean_loss", "unit_range", "unit_rows",
 ]

@@ -54,7 +54,8 @@ from parts.partition.coordinator.step import ModuleCall, StepState
 from parts.partition.coordinator.trace import FORWARD, phase_name
 from parts.partition.coordinator.transforms import check_transform_params
 from parts.partition.coordinator.uneven import conditional_roots
-from parts.partition.core import points
+from parts.partition.core import exact, points
+from parts.partition.core.grads import grad_dtype
 from parts.partition.core.param import meta
 from parts.partition.core.precision import MixedPrecision, apply_mixed_precision
 from parts.partition.core.compression import Compression, apply_compression, check_compression
@@ -78,6 +79,7 @@ class FetchCoordinator(BackwardLifecycle):
     from secondary shards kept after forward (ZeRO++ hpZ; secondary.py).
     ``conditional``: submodules (or classes) that ranks run or skip on their own (MoE experts, branches),
     gathered with the module around them, their grads reduced at the end of backward (uneven.py).
+    ``reproducible``: grads summed in fixed point (``plan.Knobs``; docs/reproducibility.md).
     """
 
     group, secondary_group = WeakGroup(), WeakGroup()  # not kept alive past destroy_process_group (see WeakGroup)
@@ -93,7 +95,7 @@ class FetchCoordinator(BackwardLifecycle):
                  mixed_precision: Optional[MixedPrecision] = None,
                  sync_buffers: bool = True, fetch_unit_size: int = 5_000_000,
                  secondary_group: GroupArg = None, compression: Optional[Compression] = None,
-                 conditional: Sequence = ()) -> None:
+                 conditional: Sequence = (), reproducible: bool = False) -> None:
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"FetchCoordinator: mixed_precision takes a parts.partition.MixedPrecision, "
                             f"got {type(mixed_precision).__name__}")
@@ -102,7 +104,11 @@ class FetchCoordinator(BackwardLifecycle):
         self.compression = check_compression(compression)  # codes on the wire (core/compression.py)
         self.knobs = Knobs(prefetch_bucket_size, max_reuse_distance, max_live_parameters,
                            persistence_threshold, model_persistence_threshold, overlap_comm, debug,
-                           reduce_bucket_size, cache_freed_storage, fetch_unit_size)
+                           reduce_bucket_size, cache_freed_storage, fetch_unit_size, reproducible)
+        if reproducible and self.compression is not None:
+            raise ValueError("FetchCoordinator: reproducible=True sums grads in fixed point, the same bits "
+                             "in any order; compression=Compression(...) rounds them by codes that depend "
+                             "on which ranks meet, so the two cannot be combined: pass compression=None")
         self._state: Optional[Attached] = None  # while attached
         self._last: Optional[CoordinatorStats] = None  # the stats of a detached coordinator's last step
         self._no_sync = 0  # depth of no_sync() contexts entered
@@ -135,6 +141,8 @@ class FetchCoordinator(BackwardLifecycle):
         if self.knobs.debug:
             self._checker = weakref.WeakMethod(self.steps.outside)
             points.register(self._records(), self._checker)
+        if self.knobs.reproducible:
+            self._exact(True)
         install_zero_grad(self.table.modules, drop_aborted)
         install_apply(self.table.modules)
         for sub in self.table.modules:  # fetched by the hooks: the construction-time check is not needed
@@ -151,6 +159,18 @@ class FetchCoordinator(BackwardLifecycle):
             yield
         finally:
             self._no_sync -= 1
+
+    def _exact(self, on: bool) -> None:
+        """Reproducible mode on (or off) for every parameter: fixed-point grad sums, per parameter
+        (the flat persistent reduce-scatter is left out: its grads go the per-parameter way)."""
+        records = list(self.table.records.values())
+        self.reducer.exact = on
+        if not on:
+            exact.disable(records)
+            return
+        self.reducer.flat = None
+        reduce_dtype = self.mixed_precision.reduce_dtype if self.mixed_precision else torch.float32
+        exact.enable(records, lambda m: grad_dtype(m.dtype, reduce_dtype))
 
     def _records(self) -> list:
         return [meta(p) for p in self.table.params.values()]
@@ -177,6 +197,8 @@ class FetchCoordinator(BackwardLifecycle):
         if self._undo_precision is not None:
             self._undo_precision()
         remove_zero_grad(self.table.modules)
+        if self.knobs.reproducible:
+            self._exact(False)
         for m in self.table.records.values():
             m.attached = False
         remove_apply(self.table.modules)

@@ -47,6 +47,9 @@ class Knobs:
     most ``max_live_parameters``) is one fetch unit, gathered and released as one, with hooks
     on it alone (``units.py``; a transformer block, or a whole small model); 0: every
     submodule fetches its own parameters.
+    ``reproducible``: grads are summed in fixed point (int64, core/exact_grads.py), so the grad
+    shards, and the weights a run steps to, are the same bits at every world size that computes
+    the same units (``parts.partition.units``; docs/reproducibility.md).
     """
 
     prefetch_bucket_size: int = 5_000_000
@@ -59,6 +62,7 @@ class Knobs:
     reduce_bucket_size: int = 5_000_000
     cache_freed_storage: bool = True
     fetch_unit_size: int = 5_000_000
+    reproducible: bool = False
 
     def __post_init__(self) -> None:
         for name in _INT_KNOBS:
@@ -68,7 +72,7 @@ class Knobs:
                                 f"got {type(value).__name__} {value!r}")
             if value < 0:
                 raise ValueError(f"FetchCoordinator: {name} must be >= 0, got {value}")
-        for name in ("overlap_comm", "debug", "cache_freed_storage"):
+        for name in ("overlap_comm", "debug", "cache_freed_storage", "reproducible"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FetchCoordinator: {name} must be a bool, got {getattr(self, name)!r}")
 

@@ -11,6 +11,9 @@ In a hybrid layout each bucket's cross-replica mean is issued as soon as its red
 landed and runs while backward goes on (``replica_sync`` "backward", the default), unless this
 backward runs under ``no_sync`` (``deferred``): then the grad shards stay pending, summed over
 micro-batches, and the next backward outside it (or the optimizer step) averages them once.
+
+In reproducible mode (``exact``) the buckets go through ``reduce_scatter_exact`` (int64 sums,
+core/exact_grads.py) and the cross-replica sum waits for the step (core/exact.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from parts.partition.coordinator.step import StepState
 from parts.partition.coordinator.table import ParamTable
 from parts.partition.coordinator.uneven import REDUCE, CollectiveLog
 from parts.partition.core.grad_guard import raw_grad, set_raw_grad
+from parts.partition.core.exact_grads import reduce_scatter_exact
 from parts.partition.core.grads import reduce_scatter_grads
 from parts.partition.core.replicas import InFlight, sync_replica_grads
 
@@ -53,6 +57,7 @@ class GradReducer:
         self.deferred = False  # this backward runs under no_sync: its cross-replica mean waits
         self.replicating = InFlight()  # with "backward": cross-replica all-reduces issued as buckets land
         self.log: Optional[CollectiveLog] = None  # the reduce-scatters, agreed at a backward's end (uneven.py)
+        self.exact = False  # reproducible mode: fixed-point sums (core/exact_grads.py)
 
     def follow(self, force: bool = False) -> None:
         """At a backward's start: the flat reduce-scatter's members are the flat parameters that
@@ -89,7 +94,7 @@ class GradReducer:
 
     def overlaps(self) -> bool:
         """True if this backward issues the cross-replica means as the buckets land."""
-        return self.replica_sync == "backward" and not self.deferred
+        return self.replica_sync == "backward" and not self.deferred and not self.exact
 
     def _reduce(self, step: Optional[StepState]) -> None:
         """Reduce-scatter the pending full grads (one group of collectives) into the grad shards."""
@@ -103,8 +108,11 @@ class GradReducer:
             self.log.note(REDUCE, sorted(ids))
         self.counters.reduce_scatter_calls += 1
         sent = comm_counter.reduce_scatter_bytes  # the wire bytes (bf16 grads may travel as bf16)
-        handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm,
-                                      dtype=self.reduce_dtype)
+        if self.exact:
+            handle = reduce_scatter_exact(params, self.group, async_op=self.knobs.overlap_comm)
+        else:
+            handle = reduce_scatter_grads(params, self.group, async_op=self.knobs.overlap_comm,
+                                          dtype=self.reduce_dtype)
         self.counters.reduce_scatter_bytes += comm_counter.reduce_scatter_bytes - sent
         self.wait()  # the previous bucket: at most two buckets in flight
         if handle is not None:

@@ -99,6 +99,8 @@ class ParamMeta:
     full_codes: Any = False
     attached: bool = False  # a FetchCoordinator's hooks fetch it (its released error names
     # register_external_parameter, the way to fetch it for another module)
+    exact: Any = field(default=None, repr=False)  # reproducible mode: the fixed-point sums of its
+    # grad (core/exact.py); None: grads are summed in floating point
 
     @property
     def status(self) -> ParamStatus:

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from parts.comm import all_reduce, all_reduce_async, all_reduce_mean_quantized, group_key
-from parts.partition.core import disk
+from parts.partition.core import disk, exact
 from parts.partition.core.compression import replica_codec
 from parts.partition.core.param import ParamMeta, is_partitioned, meta
 from parts.partition.core import steps
@@ -104,10 +104,27 @@ def sync_replica_grads(records: Iterable[ParamMeta], bucket_numel: int = BUCKET_
     returns how many were synced. Every member of a replica group must call it with the same
     records (the same optimizer, the same model)."""
     records = list(records)
+    summed = _sync_exact(records)
     todo = _take(records)
     for chunk in _buckets(todo, bucket_numel):
         _all_reduce_mean(chunk)
-    return len(todo) + _sync_stored(records, bucket_numel)
+    return summed + len(todo) + _sync_stored(records, bucket_numel)
+
+
+def _sync_exact(records: list[ParamMeta]) -> int:
+    """Reproducible mode's pending records among ``records``: their fixed-point sums added across
+    replicas (core/exact.py), per replica group in id order; returns how many."""
+    todo = sorted({id(m): m for m in records if m.exact is not None and (m.replica_pending or m in _stored)
+                   }.values(), key=lambda m: m.id)
+    groups: dict[str, list[ParamMeta]] = {}
+    for m in todo:
+        m.replica_pending = False
+        _pending.discard(m)
+        _stored.discard(m)
+        groups.setdefault(exact.group_of(m), []).append(m)
+    for members in groups.values():
+        exact.sum_replicas(members)
+    return len(todo)
 
 
 def _sync_stored(records: list[ParamMeta], bucket_numel: int) -> int:

@@ -6,6 +6,9 @@ rank and counts on rank 0 only. With a ``grid`` (``parts.parallel.ParallelGrid``
 shards are over its dp group and tensor-parallel pieces count on every tp rank, parameters
 replicated over tp on tp rank 0 only (the rule of ``parts.parallel.clip_grad_norm_2d``, in
 ``parts.comm.norm``); the all-reduce is over ``grid.group``.
+
+In reproducible mode (parameters of a model attached with ``reproducible=True``) the 2-norm is
+summed in fixed point (``parts.comm.exact_norm``): the same bits at every world size.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from parts.comm import GroupInfo, group_info
+from parts.comm.exact_norm import exact_global_norm
 from parts.comm.norm import clip_coef, counts, global_norm, scale_
 from parts.partition.core import disk
 from parts.partition.core.grad_guard import internal, raw_grad
@@ -95,7 +99,20 @@ def grad_norm(model_or_params: Params, norm_type: float = 2.0, *, grid: Any = No
     consumed = {id(p): _consumed(p, norm_type) for p in counted}
     kept = [n for n in consumed.values() if n is not None]
     grads = [_grad_source(p) for p in counted if consumed[id(p)] is None]
+    if float(norm_type) == 2.0 and not kept and _exact(params):
+        wide = any(is_partitioned(p) and meta(p).exact.dtype == torch.float64 for p in params)
+        return exact_global_norm(grads, info, _count(params), torch.float64 if wide else torch.float32)
     return global_norm(grads, info, float(norm_type), norms=kept)
+
+
+def _exact(params: list) -> bool:
+    """True if ``params`` belong to a model in reproducible mode."""
+    return any(is_partitioned(p) and meta(p).exact is not None for p in params)
+
+
+def _count(params: list) -> int:
+    """Elements of ``params`` at full size: the same at any world size."""
+    return sum(meta(p).numel if is_partitioned(p) else p.numel() for p in params)
 
 
 def clip_grad_norm_(model_or_params: Params, max_norm: float, norm_type: float = 2.0, *,

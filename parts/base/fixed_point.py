@@ -1,0 +1,85 @@
+"""Fixed-point sums: integers add up to the same bits in any order, floats do not.
+
+Reproducible mode (``attach(model, reproducible=True)``) sums gradients as int64. One unit's
+(one micro-batch's) full grad of a parameter is quantized at an exponent ``e`` chosen from
+that unit's own largest magnitude alone: ``q = round(g * 2**e)``, with ``|q| < 2**UNIT_BITS``.
+Scaling by a power of two is exact in float64 and the rounding is one round-half-even, so
+``q`` depends on the unit's grad only, never on the world size or on which units meet in a
+collective. ``e`` lies on a grid of ``GRID`` bits, so units of similar magnitude share it;
+sums are kept per exponent (``dequantize`` adds them in ascending exponent order). Up to
+``MAX_UNITS`` units fit one sum without overflow (``2**UNIT_BITS * MAX_UNITS <= 2**62``).
+
+Resolution: the grid puts a unit's largest magnitude in ``[2**34, 2**50)`` after scaling, so
+each element of a unit is rounded by at most ``max|g| * 2**-35``; an fp32 sum rounds by up to
+``2**-24`` of the running sum at every addition.
+
+Sums of squares (the grad norm of clipping) use one global exponent from the largest square
+and the element count, with the remainder of each element in a second word (``split_squares``).
+Pure arithmetic: no collectives here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import torch
+
+UNIT_BITS = 50
+"""A unit's quantized grad stays below ``2**UNIT_BITS`` in magnitude."""
+MAX_UNITS = 4096
+"""Units one fixed-point sum holds without overflow: ``2**UNIT_BITS * MAX_UNITS <= 2**62``."""
+GRID = 16
+"""Exponents are multiples of ``GRID``: units of similar magnitude share one."""
+MAX_EXPONENT = 960
+"""The largest exponent (``2.0 ** 960`` is finite); smaller grads round to zero."""
+
+
+def unit_exponent(max_abs: float) -> Optional[int]:
+    """The exponent a unit whose largest magnitude is ``max_abs`` quantizes at (None for an all-zero
+    grad): the largest multiple of ``GRID`` with ``max_abs * 2**e < 2**UNIT_BITS``."""
+    if max_abs == 0.0:
+        return None
+    if not math.isfinite(max_abs):
+        raise ValueError(f"unit_exponent: max_abs must be finite, got {max_abs}")
+    _, top = math.frexp(max_abs)  # max_abs < 2**top
+    return min(MAX_EXPONENT, ((UNIT_BITS - top) // GRID) * GRID)
+
+
+def quantize(values: torch.Tensor, exponent: int) -> torch.Tensor:
+    """``round(values * 2**exponent)`` as int64: exact scaling in float64, one rounding (half to even)."""
+    scaled = values.to(torch.float64) * (2.0 ** exponent)
+    return scaled.round_().to(torch.int64)
+
+
+def dequantize(sums: Mapping[int, torch.Tensor], dtype: torch.dtype, numel: int,
+               device: torch.device) -> torch.Tensor:
+    """``sum_e sums[e] * 2**-e`` in float64, added in ascending ``e``, then cast to ``dtype``: the same
+    bits wherever the same sums are."""
+    total = torch.zeros(numel, dtype=torch.float64, device=device)
+    for e in sorted(sums):
+        total.add_(sums[e].to(torch.float64) * (2.0 ** -e))
+    return total.to(dtype)
+
+
+def square_exponents(max_square: float, count: int) -> tuple[int, int]:
+    """``(e, e_low)`` for ``split_squares`` over ``count`` elements whose largest square is ``max_square``:
+    ``count * max_square * 2**e < 2**62`` and the second word's ``count * 2**(e_low - e) < 2**62``."""
+    bits = max(1, count).bit_length()  # count < 2**bits
+    _, top = math.frexp(max_square) if max_square > 0 else (0.0, 0)
+    e = min(MAX_EXPONENT, 62 - bits - top)
+    return e, e + (61 - bits)
+
+
+def split_squares(values: torch.Tensor, e: int, e_low: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 sums of ``floor(v*v * 2**e)`` and of the rounded remainders at ``2**e_low``: the square
+    of an fp32 or bf16 value is exact in float64, so both sums are a function of the multiset of values."""
+    scaled = values.to(torch.float64).square_().mul_(2.0 ** e)
+    high = scaled.floor()
+    low = (scaled - high).mul_(2.0 ** (e_low - e)).round_()  # the remainder in [0, 1) is exact
+    return high.to(torch.int64).sum(), low.to(torch.int64).sum()
+
+
+def join_squares(high: int, low: int, e: int, e_low: int) -> float:
+    """The sum of squares that ``split_squares``' words (summed over every rank) stand for, in float64."""
+    return float(high) * (2.0 ** -e) + float(low) * (2.0 ** -e_low)

@@ -1,0 +1,206 @@
+"""Reproducible mode (``attach(model, reproducible=True)`` with ``backward_units``): the weights are
+the same bits at every world size and layout that divides the units, for AdamW with clipping,
+under MixedPrecision, for the whole-tensor optimizers, and across a DCP resume at another world
+size; the fixed-point sums are closer to the exact sum than fp32 sums; compression is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run
+
+UNITS, ROWS, STEPS = 12, 24, 3
+LAYOUTS = [1, 2, 3, 4, "2x2"]
+
+
+class Net(torch.nn.Module):
+    """A small MLP with a LayerNorm: matrices for Muon, vectors for AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(torch.nn.functional.gelu(self.a(x))))
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def _batch(step: int) -> tuple:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, 8, generator=g), torch.randn(ROWS, 4, generator=g)
+
+
+def _layout(hybrid: bool) -> dict:
+    """``partitioned`` arguments: the default group, or a 2 x 2 layout (shard groups of two, replicated twice)."""
+    if not hybrid:
+        return {}
+    rank = dist.get_rank()
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return {"group": rows[rank // 2], "replicate_group": columns[rank % 2]}
+
+
+def _optimizers(model: torch.nn.Module, kind: str) -> list:
+    from parts.partition import shards
+    leaves = shards(model)
+    if kind == "adamw":
+        return [torch.optim.AdamW(leaves, lr=1e-2, weight_decay=0.1)]
+    if kind == "adafactor":
+        return [torch.optim.Adafactor(leaves, lr=1e-2)]
+    return [torch.optim.Muon([s for s in leaves if s.ndim == 2], lr=2e-2),
+            torch.optim.AdamW([s for s in leaves if s.ndim != 2], lr=1e-2)]
+
+
+def train(hybrid: bool, kind: str = "adamw", bf16: bool = False, steps: int = STEPS,
+          save: str = "", load: str = "") -> dict:
+    """``steps`` steps of reproducible training, clipped at 0.05; from the checkpoint ``load`` if
+    given, saving one to ``save`` at the end if given. The full weights and the mean losses."""
+    from parts.comm import dcp as parts_dcp
+    from parts.partition import (MixedPrecision, attach, backward_units, clip_grad_norm_, full_state_dict,
+                                 partitioned, route)
+    torch.manual_seed(0)
+    with partitioned(**_layout(hybrid)):
+        model = Net()
+    attach(model, reproducible=True, mixed_precision=MixedPrecision() if bf16 else None)
+    opts = _optimizers(model, kind)
+    first = _resume(model, opts, load) if load else 0
+    losses, norms = [], []
+    for step in range(first, first + steps):
+        losses.append(float(backward_units(model, _batch(step), UNITS, loss_fn)))
+        norms.append(float(clip_grad_norm_(model, 0.05)))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    if save:
+        parts_dcp.save(_state(model, opts, first + steps), checkpoint_id=save)
+    return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": norms,
+            "paths": [route(opt) for opt in opts]}
+
+
+def _state(model: torch.nn.Module, opts: list, step: int) -> dict:
+    from parts.partition import sharded_optimizer_state_dict, sharded_state_dict
+    return {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, opts[0]),
+            "step": step}
+
+
+def _resume(model: torch.nn.Module, opts: list, path: str) -> int:
+    import torch.distributed.checkpoint as dcp
+    from parts.partition import load_sharded_optimizer_state_dict, load_sharded_state_dict
+    state = _state(model, opts, 0)
+    dcp.load(state, checkpoint_id=path)
+    load_sharded_state_dict(model, state["model"])
+    load_sharded_optimizer_state_dict(model, opts[0], state["optim"])
+    return state["step"]
+
+
+def _run(layout: object, *args: object, **kwargs: object) -> dict:
+    world = 4 if layout == "2x2" else layout
+    results = run(world, train, layout == "2x2", *args, timeout=120, **kwargs)
+    for r in results[1:]:  # every rank holds the same full weights
+        assert all(torch.equal(r["weights"][k], v) for k, v in results[0]["weights"].items())
+    return results[0]
+
+
+def _assert_equal(results: dict) -> None:
+    first = next(iter(results.values()))
+    for layout, r in results.items():
+        assert r["losses"] == first["losses"] and r["norms"] == first["norms"], layout
+        for k, v in first["weights"].items():
+            assert torch.equal(r["weights"][k], v), (layout, k)
+
+
+def reference(steps: int = STEPS) -> dict:
+    """Plain torch in float64 on one process: the loss of all rows, AdamW, clipped at 0.05."""
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        x, y = _batch(step)
+        torch.nn.functional.mse_loss(model(x.double()), y.double()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.float() for k, v in model.state_dict().items()}
+
+
+def test_adamw_with_clipping_gives_the_same_bits_at_world_1_2_3_4_and_2x2() -> None:
+    results = {layout: _run(layout) for layout in LAYOUTS}
+    _assert_equal(results)
+    expected = reference()
+    for k, v in results[1]["weights"].items():  # and it is the training the float64 run does
+        assert torch.allclose(v, expected[k], atol=1e-5), k
+    assert results[1]["norms"][0] > 0.05  # the clip scaled the grads
+
+
+def test_mixed_precision_bf16_gives_the_same_bits_at_world_1_2_3_and_2x2() -> None:
+    _assert_equal({layout: _run(layout, bf16=True) for layout in (1, 2, 3, "2x2")})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_whole_tensor_optimizers_give_the_same_bits_at_world_1_2_3_4_and_2x2(kind: str) -> None:
+    results = {layout: _run(layout, kind) for layout in LAYOUTS}
+    _assert_equal(results)
+    assert all(r["paths"][0] == "whole" for r in results.values())
+
+
+def test_muon_with_adamw_gives_the_same_bits_at_world_1_and_3() -> None:
+    results = {layout: _run(layout, "muon") for layout in (1, 3)}
+    _assert_equal(results)
+    assert results[3]["paths"] == ["whole", "shard"]
+
+
+def test_a_run_saved_at_world_2_and_resumed_at_world_3_equals_the_world_4_run(tmp_path: Path) -> None:
+    whole = _run(4, steps=2 * STEPS)
+    saved = _run(2, steps=STEPS, save=str(tmp_path / "ckpt"))
+    resumed = _run(3, steps=STEPS, load=str(tmp_path / "ckpt"))
+    assert saved["losses"] + resumed["losses"] == whole["losses"]
+    for k, v in whole["weights"].items():
+        assert torch.equal(resumed["weights"][k], v), k
+
+
+def compression_refused() -> str:
+    from parts.partition import Compression, attach, partitioned
+    with partitioned():
+        model = Net()
+    try:
+        attach(model, reproducible=True, compression=Compression())
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def test_compression_refuses_reproducible_mode_naming_the_knob() -> None:
+    for message in run(2, compression_refused):
+        assert "reproducible=True" in message and "compression=" in message
+
+
+def test_units_of_very_different_magnitude_sum_to_the_same_bits_at_every_world_size() -> None:
+    scales = [1.0, 3e5, 1.0, 2e-6, 7.0, 1.0]
+    results = {w: run(w, gathered_grads, scales) for w in (1, 2, 3)}
+    assert results[1][0]["exponents"] > 1  # the sums are kept at several exponents
+    for w, ranks in results.items():
+        for k, v in results[1][0]["grads"].items():
+            assert torch.equal(torch.cat([r["grads"][k] for r in ranks])[:v.numel()], v), (w, k)
+
+
+def gathered_grads(scales: list) -> dict:
+    """One backward of units whose targets differ in scale by ``scales`` (so their grads get
+    different exponents and a reduce-scatter carries several): this rank's grad shards."""
+    from parts.partition import attach, backward_units, meta, partitioned
+    torch.manual_seed(0)
+    with partitioned():
+        model = Net()
+    attach(model, reproducible=True)
+    x, y = _batch(0)
+    y = y * torch.tensor(scales).repeat_interleave(ROWS // len(scales))[:, None]
+    backward_units(model, (x, y), len(scales), loss_fn)
+    return {"grads": {name: meta(p).grad_shard.clone() for name, p in model.named_parameters()},
+            "exponents": max(len(meta(p).exact.sums) for p in model.parameters())}
