@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 import devices
 import report
+import resilience
 from chardata import VOCAB_SIZE, batch, char_count, decode, encode, load_splits
 from gpt_model import GPT, GPTConfig
 from parts.checkpoint import checkpoint
@@ -99,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "cost of page faults (0: glibc's default, faster)")
     add("--memory-every", type=int, default=0,
         help="every N steps, note each rank's RSS and peak RSS (VmHWM) in MiB (0: off)")
+    resilience.add_flags(add)
     devices.add_device_flag(ap)
     return ap.parse_args(argv)
 
@@ -216,6 +218,21 @@ def resume(path: str, model, optimizer, schedule) -> int:
     return state["step"]
 
 
+def restore_snapshot(snaps, model, optimizer, schedule, generator: torch.Generator, args, end: int):
+    """With ``--snapshot-every``: load the newest snapshot of this job (after a restart by
+    torchrun's agent); (its step, the run's last step), or None where there is none."""
+    state = {**checkpoint_state(model, optimizer, schedule, 0), "end": end}
+    step = resilience.restore(snaps, state, generator)
+    if step is None:
+        return None
+    load_sharded_state_dict(model, state["model"])
+    load_sharded_optimizer_state_dict(model, optimizer, state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    if state["world_size"] != dist.get_world_size():  # another world: each rank's data anew
+        generator.manual_seed(args.seed + 7919 * dist.get_rank() + step)
+    return step, state["end"]
+
+
 def rss_per_rank(device: torch.device, peak: bool = False) -> list[float]:
     """Every rank's current RSS (or peak RSS) in MiB (a small all-gather on the group's ``device``)."""
     now = snapshot()
@@ -242,35 +259,48 @@ def main() -> None:
     model, coordinator, optimizer, schedule = build(args, device)
     train_tokens, val_tokens = load_splits(args.data)
     start = resume(args.out, model, optimizer, schedule) if args.resume else 0
+    generator = torch.Generator().manual_seed(args.seed + 7919 * rank + start)
+    snaps, end = resilience.snapshots(args), start + args.steps
+    start, end = restore_snapshot(snaps, model, optimizer, schedule, generator, args, end) or (start, end)
     params = sum(meta(p).numel if is_partitioned(p) else p.numel() for p in model.parameters())
-    progress = report.Progress(args.steps, enabled=rank == 0)
+    progress = report.Progress(end - start, enabled=rank == 0)
     progress.note(f"GPT {params / 1e6:.2f}M params, {args.dtype} ({why}), world {world}, "
                   f"{char_count(train_tokens).item():,} training chars in {len(train_tokens):,} tokens, "
-                  f"steps {start + 1}..{start + args.steps}")
-    generator = torch.Generator().manual_seed(args.seed + 7919 * rank + start)
+                  f"steps {start + 1}..{end}")
     train_curve, val_curve = [], [(start, evaluate(model, val_tokens, args, device))]
     progress.note(f"step {start}: validation loss {val_curve[0][1]:.4f}")
     tokens_per_step = args.batch_size * args.seq_len * world
-    for step in range(start + 1, start + args.steps + 1):
-        inputs, targets = devices.to(device, *batch(train_tokens, args.batch_size, args.seq_len, generator))
-        summed = train_step(model, optimizer, schedule, inputs, targets)
-        train_stats = coordinator.stats() if coordinator else None
-        train_curve.append((step, (summed[0] / summed[1]).item()))  # nats per character
-        done = step - start
-        rss = rss_per_rank(device) if done % 10 == 0 or done == args.steps else None
-        progress.update(done, loss=f"{train_curve[-1][1]:.4f}",
-                        **{"tok/s": f"{tokens_per_step * done / progress.elapsed():,.0f}"},
-                        **({"RSS MiB": "/".join(f"{r:.0f}" for r in rss)} if rss else {}))
-        if args.memory_every and done % args.memory_every == 0:
-            now, peaks = rss or rss_per_rank(device), rss_per_rank(device, peak=True)
-            progress.note(f"step {step}: RSS MiB per rank {' '.join(f'{r:.1f}' for r in now)}"
-                          f", peak {' '.join(f'{r:.1f}' for r in peaks)}")
-        if done % args.eval_interval == 0 or done == args.steps:
-            val_curve.append((step, evaluate(model, val_tokens, args, device)))
-            progress.note(f"step {step}: validation loss {val_curve[-1][1]:.4f}")
+    with resilience.heartbeat(args) as beat:
+        for step in range(start + 1, end + 1):
+            if beat:
+                beat.at_step(step)
+            inputs, targets = devices.to(device, *batch(train_tokens, args.batch_size, args.seq_len, generator))
+            summed = train_step(model, optimizer, schedule, inputs, targets)
+            resilience.inject(step, rank)
+            if snaps is not None and snaps.due(step):  # RNG states and the data generator go with it
+                snaps.save({**checkpoint_state(model, optimizer, schedule, step), "end": end}, step,
+                           local={"data": generator.get_state()})
+            train_stats = coordinator.stats() if coordinator else None
+            train_curve.append((step, (summed[0] / summed[1]).item()))  # nats per character
+            done = step - start
+            if done == 1:
+                resilience.note("first step", step=step)
+            rss = rss_per_rank(device) if done % 10 == 0 or step == end else None
+            progress.update(done, loss=f"{train_curve[-1][1]:.4f}",
+                            **{"tok/s": f"{tokens_per_step * done / progress.elapsed():,.0f}"},
+                            **({"RSS MiB": "/".join(f"{r:.0f}" for r in rss)} if rss else {}))
+            if args.memory_every and done % args.memory_every == 0:
+                now, peaks = rss or rss_per_rank(device), rss_per_rank(device, peak=True)
+                progress.note(f"step {step}: RSS MiB per rank {' '.join(f'{r:.1f}' for r in now)}"
+                              f", peak {' '.join(f'{r:.1f}' for r in peaks)}")
+            if done % args.eval_interval == 0 or step == end:
+                val_curve.append((step, evaluate(model, val_tokens, args, device)))
+                progress.note(f"step {step}: validation loss {val_curve[-1][1]:.4f}")
     elapsed = progress.elapsed()
     sample = generate(model, args)
-    save(args.out, model, optimizer, schedule, start + args.steps)
+    save(args.out, model, optimizer, schedule, end)
+    if snaps is not None:
+        snaps.close()  # a clean finish: the job's snapshots leave host memory
     summarize(args, train_stats, optimizer, train_curve, val_curve, elapsed, sample, world)
     del model, coordinator, optimizer, schedule
     gc.collect()  # the coordinator's hooks and buffers go before the process group does
