@@ -19,6 +19,7 @@ files), and one host copy of the rank's state, reused from save to save.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -38,7 +39,7 @@ from parts.comm.failure import Failure, attempt, failures_in
 from parts.comm.group import GroupArg, group_info
 from parts.comm.host_copy import HostCopy
 from parts.comm.objects import all_gather_objects
-from parts.comm.shard_view import settle
+from parts.comm.shard_view import ShardView, settle
 from parts.comm.snapshot_restore import Restored, restore, rng_state
 from parts.comm.store_gather import StoreGather
 
@@ -58,12 +59,15 @@ class Snapshots:
         self.root = Path(root) if root is not None else files.default_root()
         self.node_size = node_size
         self.reclaimed_bytes = 0
+        self.saves = 0
         self.save_seconds = 0.0  # time the save calls held the loop, in total
+        self.thread_seconds = 0.0  # CPU time the background threads took, in total
         self._info = None
         self._host = HostCopy()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._committed: Optional[int] = None
+        self._plans: Optional[tuple[list, list, Any]] = None  # every rank's state signature, plans, metadata
 
     # ------------------------------------------------------------ setup
     def start(self) -> "Snapshots":
@@ -76,8 +80,8 @@ class Snapshots:
             raise ValueError(f"parts.comm.Snapshots: node_size {size} does not divide the group's "
                              f"{info.world_size} ranks (node_size, or LOCAL_WORLD_SIZE)")
         job = self.job or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
-        jobs = all_gather_objects(job, info.group)
-        self.job_dir = files.job_folder(self.root, jobs[0])
+        jobs = all_gather_objects((job, uuid.uuid4().hex), info.group)
+        self.job_dir, self._token = files.job_folder(self.root, jobs[0][0]), jobs[0][1]
         self.node, self.nodes, self.node_ranks = info.rank // size, info.world_size // size, size
         self.leader = info.rank % size == 0
         if info.rank == 0:
@@ -123,15 +127,32 @@ class Snapshots:
         ranks = steps.Ranks(self.group, "snapshot", staging)
         side = {"rng": rng_state(), "local": local, "rank": info.rank, "step": step}
         try:
-            token = ranks.on_coordinator("prepare", lambda: uuid.uuid4().hex)
-            planner, plans, metadata = steps.plan_save(lambda: self._host.take(steps.plain(state)), ranks,
-                                                      writer, None)
+            planner, plans, metadata = self._plan(state, ranks, writer)
         finally:
             settle(state)
-        job = _Job(self, generation, step, staging, writer, planner, plans[info.rank], metadata, side, token)
+        job = _Job(self, generation, step, staging, writer, planner, plans[info.rank], metadata, side,
+                   f"{self._token}/{generation}")
         self._thread = threading.Thread(target=job.run, name="parts-snapshot", daemon=True)
         self._thread.start()
+        self.saves += 1
         self.save_seconds += time.perf_counter() - began
+
+    def _plan(self, state: dict[str, Any], ranks: steps.Ranks, writer: Any) -> tuple[Any, list, Any]:
+        """The host copy of ``state`` and DCP's plans for it: agreed anew only where some rank's
+        state changed its structure since the last save (one small exchange otherwise)."""
+        host = attempt(lambda: self._host.take(steps.plain(state)), ranks.rank)[0]
+        every = all_gather_objects(host if isinstance(host, Failure) else _signature(host), ranks.info.group)
+        failed = failures_in(every)
+        if failed:
+            raise ranks.error("copy")(failed)
+        if self._plans is None or every != self._plans[0]:
+            planner, plans, metadata = steps.plan_save(lambda: host, ranks, writer, None)
+            self._plans = (every, plans, metadata)
+            return planner, plans, metadata
+        planner = torch_dcp.DefaultSavePlanner()
+        planner.set_up_planner(host, writer.storage_meta(), ranks.is_coordinator)
+        writer.set_up_storage_writer(ranks.is_coordinator, rank=ranks.rank, use_collectives=True)
+        return planner, self._plans[1], self._plans[2]
 
     def wait(self) -> None:
         """Wait for the snapshot being written; raise its error (once) if it failed."""
@@ -195,6 +216,7 @@ class _Job:
 
     def run(self) -> None:
         """The thread: the outcome lands in the owner (``_committed``, or ``_error``)."""
+        began = time.thread_time()
         try:
             mine = attempt(self._write, self.info.rank)[0]
             verdict = self.writes.gather_decide(mine, self._decide)
@@ -209,6 +231,8 @@ class _Job:
             self.owner._error = exc if isinstance(exc, CheckpointError) else CheckpointError(
                 f"snapshot {self.generation} of {self.owner.job_dir} failed on rank {self.info.rank}: "
                 f"{type(exc).__name__}: {exc}", path=self.owner.job_dir)
+        finally:
+            self.owner.thread_seconds += time.thread_time() - began
 
     def _write(self) -> tuple[list, dict]:
         """This rank's DCP files and own values in its node's staging folder, and in its buddy's."""
@@ -244,3 +268,24 @@ class _Job:
         if isinstance(failed, Failure):
             failed = {0: failed}
         return steps.Ranks(self.owner.group, "snapshot", self.owner.job_dir).error(step)(failed)
+
+
+def _signature(state: Any) -> str:
+    """A digest of what DCP's plans depend on: keys, shapes, dtypes, shard pieces, value types."""
+    parts: list = []
+
+    def walk(value: Any, path: tuple) -> None:
+        if isinstance(value, ShardView):
+            parts.append((path, tuple(value.shape), str(value.dtype), [(a, p.numel()) for a, p in value.segments]))
+        elif isinstance(value, torch.Tensor):
+            parts.append((path, tuple(value.shape), str(value.dtype)))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, path + (key,))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, path + (i,))
+        else:
+            parts.append((path, type(value).__name__))
+    walk(state, ())
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
