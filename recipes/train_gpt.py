@@ -26,7 +26,11 @@ the end every rank writes its own shard of the weights and optimizer state into 
 ``torch.distributed.checkpoint`` directory (``--out``; no rank gathers the model); ``--resume``
 continues from it at any ``--nproc-per-node``, and FSDP2 (or ``dcp_to_torch_save``) reads it.
 The sample is drawn on rank 0 from a plain ``GPT`` holding ``full_state_dict`` (temperature
-and top-k sampling, ``--seed``).
+and top-k sampling, ``--seed``). With ``--reproducible U`` each step's global batch is U units
+of ``--batch-size`` sequences drawn from the step alone, each rank computes U/world of them one
+by one (``backward_units``) and grads are summed in fixed point (``attach(reproducible=True)``):
+the checkpoint in ``--out`` is the same bits at every ``--nproc-per-node`` that divides U,
+``--resume`` included (docs/reproducibility.md).
 """
 
 from __future__ import annotations
@@ -49,9 +53,9 @@ from parts.comm import all_gather_objects, broadcast_object
 from parts.comm import dcp
 from parts.observe import set_mmap_threshold, snapshot
 from parts.optim import BF16Optimizer
-from parts.partition import (MixedPrecision, attach, full_state_dict, is_partitioned,
+from parts.partition import (MixedPrecision, attach, backward_units, full_state_dict, is_partitioned,
                              load_sharded_optimizer_state_dict, load_sharded_state_dict, meta,
-                             partitioned, sharded_optimizer_state_dict, sharded_state_dict)
+                             partitioned, sharded_optimizer_state_dict, sharded_state_dict, unit_range)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -100,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "cost of page faults (0: glibc's default, faster)")
     add("--memory-every", type=int, default=0,
         help="every N steps, note each rank's RSS and peak RSS (VmHWM) in MiB (0: off)")
+    add("--reproducible", type=int, default=0, metavar="U",
+        help="reproducible mode: each step's global batch is U units of --batch-size sequences, each "
+             "rank computes U/world of them; the same weights at every --nproc-per-node dividing U (0: off)")
     resilience.add_flags(add)
     devices.add_device_flag(ap)
     return ap.parse_args(argv)
@@ -145,6 +152,7 @@ def build(args: argparse.Namespace, device: torch.device | None = None):
                          persistence_threshold=args.persistence_threshold,
                          overlap_comm=args.overlap_comm,
                          mixed_precision=MixedPrecision(param_dtype=low) if low else None,
+                         reproducible=bool(args.reproducible),
                          ) if args.partition else None
     adamw = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     optimizer = BF16Optimizer(adamw, group=mesh.get_group("shard") if mesh is not None else None,
@@ -177,6 +185,22 @@ def train_step(model, optimizer, schedule, inputs: torch.Tensor, targets: torch.
     summed = nats_and_chars(loss, targets)
     dist.all_reduce(summed)
     return summed
+
+
+def reproducible_step(model, optimizer, schedule, tokens: torch.Tensor, args: argparse.Namespace, step: int,
+                      device: torch.device) -> torch.Tensor:
+    """One optimizer step of ``--reproducible U``: the global batch of U units drawn from the step
+    alone (the same at any world size), this rank's units one by one; ``[summed loss, characters]``
+    over all units (every rank)."""
+    generator = torch.Generator().manual_seed(args.seed + 7919 * step)
+    rows = args.batch_size * args.reproducible
+    inputs, targets = devices.to(device, *batch(tokens, rows, args.seq_len, generator))
+    mean = backward_units(model, (inputs, targets), args.reproducible, lambda m, b: m(*b),
+                          seed=args.seed * 100_003 + step)  # dropout masks per (step, unit)
+    optimizer.step()
+    optimizer.zero_grad()
+    schedule.step()
+    return torch.stack([mean * targets.numel(), char_count(targets.cpu()).double()])
 
 
 @torch.no_grad()
@@ -252,10 +276,18 @@ def main() -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     device = devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # reproducible mode: a CPU kernel's sums may depend on its thread count, so one per rank at any world
+    torch.set_num_threads(1 if args.reproducible else max(1, (os.cpu_count() or 1) // world))
     if args.mmap_threshold:
         set_mmap_threshold(args.mmap_threshold)
     args.dtype, why = choose_dtype(args.dtype, device)
+    if args.reproducible:
+        if not args.partition:
+            raise SystemExit("--reproducible needs sharded weights: drop --no-partition")
+        try:
+            unit_range(args.reproducible, rank, world)
+        except ValueError as err:
+            raise SystemExit(f"--reproducible {args.reproducible}: {err}") from None
     model, coordinator, optimizer, schedule = build(args, device)
     train_tokens, val_tokens = load_splits(args.data)
     start = resume(args.out, model, optimizer, schedule) if args.resume else 0
@@ -269,13 +301,14 @@ def main() -> None:
                   f"steps {start + 1}..{end}")
     train_curve, val_curve = [], [(start, evaluate(model, val_tokens, args, device))]
     progress.note(f"step {start}: validation loss {val_curve[0][1]:.4f}")
-    tokens_per_step = args.batch_size * args.seq_len * world
+    tokens_per_step = args.batch_size * args.seq_len * (args.reproducible or world)
     with resilience.heartbeat(args) as beat:
         for step in range(start + 1, end + 1):
             if beat:
                 beat.at_step(step)
             inputs, targets = devices.to(device, *batch(train_tokens, args.batch_size, args.seq_len, generator))
-            summed = train_step(model, optimizer, schedule, inputs, targets)
+            summed = (reproducible_step(model, optimizer, schedule, train_tokens, args, step, device)
+                      if args.reproducible else train_step(model, optimizer, schedule, inputs, targets))
             resilience.inject(step, rank)
             if snaps is not None and snaps.due(step):  # RNG states and the data generator go with it
                 snaps.save({**checkpoint_state(model, optimizer, schedule, step), "end": end}, step,
@@ -330,7 +363,7 @@ def summarize(args, stats, optimizer, train_curve, val_curve, elapsed, sample, w
     steps = len(train_curve)
     rows = [("steps", f"{steps} ({train_curve[0][0]}..{train_curve[-1][0]})"),
             ("time", f"{elapsed:.1f} s ({elapsed / steps:.2f} s/step)"),
-            ("tokens/s", f"{steps * args.batch_size * args.seq_len * world / elapsed:,.0f}"),
+            ("tokens/s", f"{steps * args.batch_size * args.seq_len * (args.reproducible or world) / elapsed:,.0f}"),
             ("train loss", f"{train_curve[0][1]:.4f} -> {train_curve[-1][1]:.4f}"),
             ("validation loss", f"{val_curve[0][1]:.4f} -> {val_curve[-1][1]:.4f}"),
             ("peak RSS per rank", ", ".join(report.mib(b) for b in every)),

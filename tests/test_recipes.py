@@ -464,3 +464,53 @@ def test_device_flag_picks_the_cpu_without_cuda(monkeypatch) -> None:
     assert devices.pick("auto") == devices.pick("cpu") == torch.device("cpu")
     with pytest.raises(SystemExit, match="--device cuda: this torch sees no CUDA device"):
         devices.pick("cuda")
+
+
+REPRODUCIBLE_TINY = ("--steps", "3", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16",
+                     "--batch-size", "2", "--eval-interval", "3", "--eval-batches", "1", "--sample-chars", "0",
+                     "--dtype", "fp32", "--reproducible", "6", "--out", "{workdir}/gpt.ckpt",
+                     "--plot", "{workdir}/loss.png", "--device", "cpu")
+
+
+def _same_bits(a: object, b: object, where: str = "") -> None:
+    """``a`` and ``b`` (nested checkpoint dicts) equal, tensors with ``torch.equal``."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            if k != "world_size":
+                _same_bits(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_train_gpt_reproducible_checkpoints_are_the_same_bits_at_1_2_and_3_processes(tmp_path) -> None:
+    """--reproducible 6 at 1, 2 and 3 processes writes checkpoints equal bitwise, weights and
+    optimizer state; resumed at 3 from the 2-process one equals resumed at 2 from the 1-process one."""
+    case = Case("train_gpt_reproducible", "train_gpt.py", REPRODUCIBLE_TINY, lambda out, workdir: None)
+    dirs = {n: tmp_path / f"world{n}" for n in (1, 2, 3)}
+    for d in dirs.values():
+        d.mkdir()
+    runs = [launch(case, d, nproc=n) for n, d in dirs.items()]
+    try:
+        for run in runs:
+            run.finish()
+    finally:
+        for run in runs:
+            run.kill()
+    states = {n: read_checkpoint(d / "gpt.ckpt") for n, d in dirs.items()}
+    assert [states[n]["world_size"] for n in dirs] == [1, 2, 3]
+    for n in (2, 3):
+        _same_bits(states[1], states[n])
+    resumed = {}
+    for before, after in ((2, 3), (1, 2)):
+        where = tmp_path / f"resume{before}to{after}"
+        where.mkdir()
+        shutil.copytree(dirs[before] / "gpt.ckpt", where / "gpt.ckpt")
+        out = launch(Case("resume", "train_gpt.py", (*REPRODUCIBLE_TINY, "--resume"), case.check), where,
+                     nproc=after).finish()
+        assert "steps 4..6" in out, out
+        resumed[after] = read_checkpoint(where / "gpt.ckpt")
+    _same_bits(resumed[3], resumed[2])
+    assert not torch.equal(resumed[3]["model"]["wte.weight"], states[1]["model"]["wte.weight"])  # it trained on

@@ -54,6 +54,9 @@ def _optimizers(model: torch.nn.Module, kind: str) -> list:
         return [torch.optim.AdamW(leaves, lr=1e-2, weight_decay=0.1)]
     if kind == "adafactor":
         return [torch.optim.Adafactor(leaves, lr=1e-2)]
+    if kind == "bf16optimizer":  # it clips by the global norm itself
+        from parts.optim import BF16Optimizer
+        return [BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), clip_grad=0.05, allow_fp32=True)]
     return [torch.optim.Muon([s for s in leaves if s.ndim == 2], lr=2e-2),
             torch.optim.AdamW([s for s in leaves if s.ndim != 2], lr=1e-2)]
 
@@ -74,14 +77,17 @@ def train(hybrid: bool, kind: str = "adamw", bf16: bool = False, steps: int = ST
     losses, norms = [], []
     for step in range(first, first + steps):
         losses.append(float(backward_units(model, _batch(step), UNITS, loss_fn)))
-        norms.append(float(clip_grad_norm_(model, 0.05)))
+        if kind != "bf16optimizer":
+            norms.append(float(clip_grad_norm_(model, 0.05)))
         for opt in opts:
             opt.step()
             opt.zero_grad()
+        if kind == "bf16optimizer":
+            norms.append(opts[0].last_grad_norm)
     if save:
         parts_dcp.save(_state(model, opts, first + steps), checkpoint_id=save)
     return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": norms,
-            "paths": [route(opt) for opt in opts]}
+            "paths": [route(opt) for opt in opts if kind != "bf16optimizer"]}
 
 
 def _state(model: torch.nn.Module, opts: list, step: int) -> dict:
@@ -157,6 +163,12 @@ def test_muon_with_adamw_gives_the_same_bits_at_world_1_and_3() -> None:
     assert results[3]["paths"] == ["whole", "shard"]
 
 
+def test_bf16optimizer_clipping_gives_the_same_bits_at_world_1_and_3() -> None:
+    results = {layout: _run(layout, "bf16optimizer") for layout in (1, 3)}
+    _assert_equal(results)
+    assert results[1]["norms"][0] > 0.05
+
+
 def test_a_run_saved_at_world_2_and_resumed_at_world_3_equals_the_world_4_run(tmp_path: Path) -> None:
     whole = _run(4, steps=2 * STEPS)
     saved = _run(2, steps=STEPS, save=str(tmp_path / "ckpt"))
@@ -204,3 +216,43 @@ def gathered_grads(scales: list) -> dict:
     backward_units(model, (x, y), len(scales), loss_fn)
     return {"grads": {name: meta(p).grad_shard.clone() for name, p in model.named_parameters()},
             "exponents": max(len(meta(p).exact.sums) for p in model.parameters())}
+
+
+def sum_errors() -> dict:
+    """The fixed-point grad of 12 units against the float64 sum of the same fp32 unit grads, beside the
+    fp32 sum of them (what accumulating them in a grad does): the largest error relative to each
+    parameter's largest grad, and the share of elements not the correctly rounded sum."""
+    from parts.partition import attach, backward_units, meta, partitioned
+    torch.manual_seed(0)
+    plain = Net()
+    torch.manual_seed(0)
+    with partitioned():
+        model = Net()
+    attach(model, reproducible=True)
+    batch = _batch(0)
+    backward_units(model, batch, UNITS, loss_fn)
+    exact64 = {k: torch.zeros_like(p, dtype=torch.float64) for k, p in plain.named_parameters()}
+    fp32 = {k: torch.zeros_like(p) for k, p in plain.named_parameters()}
+    for unit in range(UNITS):
+        rows = slice(unit * ROWS // UNITS, (unit + 1) * ROWS // UNITS)
+        plain.zero_grad()
+        (loss_fn(plain, (batch[0][rows], batch[1][rows])) / UNITS).backward()
+        for k, p in plain.named_parameters():
+            exact64[k] += p.grad.double()
+            fp32[k] += p.grad
+    out = {"fixed": 0.0, "fp32": 0.0, "fixed_off": 0, "fp32_off": 0, "numel": 0}
+    for k, p in model.named_parameters():
+        fixed, truth = meta(p).grad_shard.view(p.shape), exact64[k]
+        scale = float(truth.abs().max())
+        out["fixed"] = max(out["fixed"], float((fixed.double() - truth).abs().max()) / scale)
+        out["fp32"] = max(out["fp32"], float((fp32[k].double() - truth).abs().max()) / scale)
+        out["fixed_off"] += int((fixed != truth.float()).sum())
+        out["fp32_off"] += int((fp32[k] != truth.float()).sum())
+        out["numel"] += p.numel()
+    return out
+
+
+def test_fixed_point_sums_are_closer_to_the_float64_sum_than_fp32_sums() -> None:
+    errors = run(1, sum_errors)[0]
+    assert errors["fixed"] <= errors["fp32"] and errors["fixed_off"] <= errors["fp32_off"], errors
+    assert errors["fixed_off"] == 0, errors  # every element is the correctly rounded sum here
