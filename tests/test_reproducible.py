@@ -47,11 +47,15 @@ def _layout(hybrid: bool) -> dict:
     return {"group": rows[rank // 2], "replicate_group": columns[rank % 2]}
 
 
-def _optimizers(model: torch.nn.Module, kind: str) -> list:
+def _optimizers(model: torch.nn.Module, kind: str, store: str) -> list:
     from parts.partition import shards
     leaves = shards(model)
     if kind == "adamw":
         return [torch.optim.AdamW(leaves, lr=1e-2, weight_decay=0.1)]
+    if kind == "offload":  # shards and AdamW state on disk
+        from parts.offload import DiskStore, OffloadedOptimizer
+        adamw = torch.optim.AdamW(leaves, lr=1e-2, weight_decay=0.1)
+        return [OffloadedOptimizer(adamw, DiskStore(f"{store}-optim-{dist.get_world_size()}-{dist.get_rank()}"))]
     if kind == "adafactor":
         return [torch.optim.Adafactor(leaves, lr=1e-2)]
     if kind == "bf16optimizer":  # it clips by the global norm itself
@@ -62,17 +66,21 @@ def _optimizers(model: torch.nn.Module, kind: str) -> list:
 
 
 def train(hybrid: bool, kind: str = "adamw", bf16: bool = False, steps: int = STEPS,
-          save: str = "", load: str = "") -> dict:
+          save: str = "", load: str = "", store: str = "") -> dict:
     """``steps`` steps of reproducible training, clipped at 0.05; from the checkpoint ``load`` if
     given, saving one to ``save`` at the end if given. The full weights and the mean losses."""
     from parts.comm import dcp as parts_dcp
     from parts.partition import (MixedPrecision, attach, backward_units, clip_grad_norm_, full_state_dict,
                                  partitioned, route)
     torch.manual_seed(0)
-    with partitioned(**_layout(hybrid)):
+    layout = _layout(hybrid)
+    if kind == "offload":
+        from parts.offload import DiskStore
+        layout["remote_device"] = DiskStore(f"{store}-shards-{dist.get_world_size()}-{dist.get_rank()}")
+    with partitioned(**layout):
         model = Net()
     attach(model, reproducible=True, mixed_precision=MixedPrecision() if bf16 else None)
-    opts = _optimizers(model, kind)
+    opts = _optimizers(model, kind, store)
     first = _resume(model, opts, load) if load else 0
     losses, norms = [], []
     for step in range(first, first + steps):
@@ -87,7 +95,7 @@ def train(hybrid: bool, kind: str = "adamw", bf16: bool = False, steps: int = ST
     if save:
         parts_dcp.save(_state(model, opts, first + steps), checkpoint_id=save)
     return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": norms,
-            "paths": [route(opt) for opt in opts if kind != "bf16optimizer"]}
+            "paths": [route(opt) for opt in opts if kind not in ("bf16optimizer", "offload")]}
 
 
 def _state(model: torch.nn.Module, opts: list, step: int) -> dict:
@@ -167,6 +175,12 @@ def test_bf16optimizer_clipping_gives_the_same_bits_at_world_1_and_3() -> None:
     results = {layout: _run(layout, "bf16optimizer") for layout in (1, 3)}
     _assert_equal(results)
     assert results[1]["norms"][0] > 0.05
+
+
+def test_shards_and_optimizer_state_on_disk_give_the_same_bits_at_world_1_and_3(tmp_path: Path) -> None:
+    results = {layout: _run(layout, "offload", store=str(tmp_path / f"w{layout}")) for layout in (1, 3)}
+    _assert_equal(results)
+    _assert_equal({"memory": _run(1), "disk": results[1]})
 
 
 def test_a_run_saved_at_world_2_and_resumed_at_world_3_equals_the_world_4_run(tmp_path: Path) -> None:
