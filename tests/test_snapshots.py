@@ -222,3 +222,18 @@ def test_a_dead_jobs_snapshots_are_reclaimed_by_the_next_start() -> None:
     first, second = run(2, dead_job_reclaimed, job, dead, timeout=SLOW)
     assert first["reclaimed"] >= 1000 and second["reclaimed"] is None, (first, second)
     assert [first["dead_left"], first["left"], second["dead_left"], second["left"]] == [False] * 4
+
+
+def roots_not_shared(root: str) -> str:
+    import torch.distributed as dist
+    from parts.comm import Snapshots
+    try:
+        Snapshots(every=1, job="unshared", root=f"{root}/rank{dist.get_rank()}").start()
+    except ValueError as error:
+        return str(error)
+    return "started"
+
+
+def test_ranks_that_do_not_see_one_root_folder_are_refused_on_every_rank(tmp_path) -> None:
+    for got in run(2, roots_not_shared, str(tmp_path), timeout=SLOW):
+        assert "group rank(s) [1] do not see" in got, got

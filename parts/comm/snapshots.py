@@ -84,10 +84,16 @@ class Snapshots:
         self.job_dir, self._token = files.job_folder(self.root, jobs[0][0]), jobs[0][1]
         self.node, self.nodes, self.node_ranks = info.rank // size, info.world_size // size, size
         self.leader = info.rank % size == 0
+        marker = self.job_dir / f"start-{self._token}"
         if info.rank == 0:
             files.claim(self.job_dir, os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else os.getpid())
             self.reclaimed_bytes = files.reclaim(self.root, keep=self.job_dir)
-        highest = all_gather_objects(self._highest_generation(), info.group)
+            marker.touch()
+        highest = all_gather_objects(self._highest_generation(), info.group)  # rank 0 made the folder
+        seen = all_gather_objects(marker.is_file(), info.group)
+        if info.rank == 0:
+            marker.unlink()
+        _check_shared(seen, self.job_dir)
         if self.leader:
             files.node_folder(self.job_dir, self.node).mkdir(parents=True, exist_ok=True)
             files.clear_staging(files.node_folder(self.job_dir, self.node))
@@ -289,3 +295,13 @@ def _signature(state: Any) -> str:
             parts.append((path, type(value).__name__))
     walk(state, ())
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _check_shared(every: list, job_dir: Path) -> None:
+    """Raise on every rank unless each one sees the folder group rank 0 made (one host's memory)."""
+    blind = [rank for rank, seen in enumerate(every) if not seen]
+    if blind:
+        raise ValueError(f"parts.comm.Snapshots: group rank(s) {blind} do not see {job_dir}, which group rank 0 "
+                         f"made: every rank must see the same root folder (the ranks of one host, or of "
+                         f"nodes emulated on one host); snapshots across hosts with their own memory are "
+                         f"not supported")
