@@ -200,7 +200,7 @@ def test_a_lost_node_is_restored_from_its_buddy_copy_resharded_from_4_ranks_to_2
 def dead_job_reclaimed(job: str, dead: str) -> dict:
     import json
     import torch.distributed as dist
-    from parts.base import owner
+    from parts.base import owner_records as owner
     from parts.comm import Snapshots, all_gather_objects
     from parts.comm.snapshot_files import default_root, job_folder
     folder = job_folder(default_root(), dead)

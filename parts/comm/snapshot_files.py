@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from parts.base import owner
+from parts.base import owner_records as owner
 from parts.base.files import CheckpointError, file_digest, verify_file
 from parts.comm.dcp_files import FORMAT, MANIFEST, METADATA
 

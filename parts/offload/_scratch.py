@@ -34,7 +34,7 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from parts.base import owner
+from parts.base import owner_records as owner
 
 OWNER_FILE = "owner.json"
 PREFIX = "parts-store-"

@@ -1,4 +1,4 @@
-"""Owner records of files a process leaves behind: who made them, and whether that process is gone.
+"""Owner records of files a process may leave behind: which process made them, and whether it is gone.
 
 A record names the host, the pid namespace, the boot id, the pid and the process's start time
 (``/proc/<pid>/stat``, so a reused pid is not taken for the owner). An owner is gone only when
