@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run
+from hypothesis import given
+from hypothesis import strategies as st
 
 UNITS, ROWS, STEPS = 12, 24, 3
 LAYOUTS = [1, 2, 3, 4, "2x2"]
@@ -270,3 +272,31 @@ def test_fixed_point_sums_are_closer_to_the_float64_sum_than_fp32_sums() -> None
     errors = run(1, sum_errors)[0]
     assert errors["fixed"] <= errors["fp32"] and errors["fixed_off"] <= errors["fp32_off"], errors
     assert errors["fixed_off"] == 0, errors  # every element is the correctly rounded sum here
+
+
+@given(st.floats(min_value=1e-40, max_value=1e30, allow_nan=False), st.integers(0, 2 ** 20))
+def test_a_unit_exponent_keeps_the_unit_below_2_to_the_50_and_above_2_to_the_34(top: float, seed: int) -> None:
+    from parts.base.fixed_point import GRID, UNIT_BITS, unit_exponent
+    e = unit_exponent(top)
+    assert e % GRID == 0
+    assert top * 2.0 ** e < 2.0 ** UNIT_BITS and (top * 2.0 ** e >= 2.0 ** 34 or e == 960)
+
+
+@given(st.integers(0, 2 ** 20), st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 112))
+def test_quantize_is_the_float64_rounding_of_the_exact_product(seed: int, dtype: torch.dtype, exponent: int) -> None:
+    from parts.base.fixed_point import quantize
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(257, generator=g) * torch.logspace(-30, 0, 257)).to(dtype) * 2.0 ** -exponent
+    assert torch.equal(quantize(values, exponent), (values.double() * 2.0 ** exponent).round().long())
+
+
+@given(st.integers(0, 2 ** 20))
+def test_split_squares_sum_to_the_exact_sum_of_squares(seed: int) -> None:
+    from fractions import Fraction
+    from parts.base.fixed_point import join_squares, split_squares, square_exponents
+    values = torch.randn(300, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-8, 2, 300)
+    e, e_low = square_exponents(float(values.abs().max().double() ** 2), values.numel())
+    high, low = split_squares(values, e, e_low)
+    exact = sum(Fraction(v) ** 2 for v in values.double().tolist())
+    assert abs(Fraction(join_squares(int(high), int(low), e, e_low)) - exact) <= exact * Fraction(1, 2 ** 50)
+    assert (high, low) == split_squares(values.flip(0), e, e_low)  # any order, the same words

@@ -21,9 +21,11 @@ Pure arithmetic: no collectives here.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
+
+from parts._compat import foreach_norm
 
 UNIT_BITS = 50
 """A unit's quantized grad stays below ``2**UNIT_BITS`` in magnitude."""
@@ -31,6 +33,7 @@ MAX_UNITS = 4096
 """Units one fixed-point sum holds without overflow: ``2**UNIT_BITS * MAX_UNITS <= 2**62``."""
 GRID = 16
 """Exponents are multiples of ``GRID``: units of similar magnitude share one."""
+_NARROW = (torch.float32, torch.bfloat16, torch.float16)
 MAX_EXPONENT = 960
 """The largest exponent (``2.0 ** 960`` is finite); smaller grads round to zero."""
 
@@ -46,19 +49,49 @@ def unit_exponent(max_abs: float) -> Optional[int]:
     return min(MAX_EXPONENT, ((UNIT_BITS - top) // GRID) * GRID)
 
 
+def largest(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """The largest magnitude of each tensor (0.0 for an empty one; nan or inf where it holds one), one
+    kernel per device and dtype and one read to the host."""
+    out = [0.0] * len(tensors)
+    kinds: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            kinds.setdefault((t.device, t.dtype), []).append(i)
+    for (_, dtype), index in kinds.items():
+        wide = torch.promote_types(dtype, torch.float32)
+        tops = torch.stack(foreach_norm([tensors[i] for i in index], math.inf, wide)).tolist()
+        for i, top in zip(index, tops):
+            out[i] = top
+    return out
+
+
+def rounded(values: torch.Tensor, exponent: int) -> torch.Tensor:
+    """``round(values * 2**exponent)`` as integers in a float tensor (copied into int64 exactly): an
+    exact scaling, one rounding (half to even). fp32 and narrower values scale in fp32 where
+    ``2**exponent`` is a normal fp32 number and the product stays below ``2**UNIT_BITS`` (a
+    power-of-two product is then exact, as in float64, at half the bytes)."""
+    if values.dtype in _NARROW and 0 <= exponent <= 100:
+        scaled = values.float().mul_(2.0 ** exponent) if values.dtype != torch.float32 else values * (2.0 ** exponent)
+    else:
+        scaled = values.to(torch.float64) * (2.0 ** exponent)
+    return scaled.round_()
+
+
 def quantize(values: torch.Tensor, exponent: int) -> torch.Tensor:
-    """``round(values * 2**exponent)`` as int64: exact scaling in float64, one rounding (half to even)."""
-    scaled = values.to(torch.float64) * (2.0 ** exponent)
-    return scaled.round_().to(torch.int64)
+    """``round(values * 2**exponent)`` as int64 (``rounded``)."""
+    return rounded(values, exponent).to(torch.int64)
 
 
 def dequantize(sums: Mapping[int, torch.Tensor], dtype: torch.dtype, numel: int,
                device: torch.device) -> torch.Tensor:
     """``sum_e sums[e] * 2**-e`` in float64, added in ascending ``e``, then cast to ``dtype``: the same
     bits wherever the same sums are."""
-    total = torch.zeros(numel, dtype=torch.float64, device=device)
-    for e in sorted(sums):
-        total.add_(sums[e].to(torch.float64) * (2.0 ** -e))
+    order = sorted(sums)
+    if not order:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    total = sums[order[0]].to(torch.float64).mul_(2.0 ** -order[0])
+    for e in order[1:]:
+        total.add_(sums[e].to(torch.float64).mul_(2.0 ** -e))
     return total.to(dtype)
 
 
@@ -76,8 +109,8 @@ def split_squares(values: torch.Tensor, e: int, e_low: int) -> tuple[torch.Tenso
     of an fp32 or bf16 value is exact in float64, so both sums are a function of the multiset of values."""
     scaled = values.to(torch.float64).square_().mul_(2.0 ** e)
     high = scaled.floor()
-    low = (scaled - high).mul_(2.0 ** (e_low - e)).round_()  # the remainder in [0, 1) is exact
-    return high.to(torch.int64).sum(), low.to(torch.int64).sum()
+    low = scaled.sub_(high).mul_(2.0 ** (e_low - e)).round_()  # the remainder in [0, 1) is exact
+    return high.sum(dtype=torch.int64), low.sum(dtype=torch.int64)
 
 
 def join_squares(high: int, low: int, e: int, e_low: int) -> float:

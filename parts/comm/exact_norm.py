@@ -16,53 +16,58 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from parts.base.fixed_point import join_squares, split_squares, square_exponents
+from parts.base.fixed_point import join_squares, largest, split_squares, square_exponents
 from parts.comm.collectives import ReduceOp, all_reduce
 from parts.comm.device import comm_device
 from parts.comm.group import GroupInfo
 
 Grad = Union[torch.Tensor, Callable[[], torch.Tensor]]
+CHUNK = 1 << 22
+"""Elements of the grads in memory squared together (one concatenation): few kernels, bounded memory."""
 
 
-def _read(g: Grad) -> torch.Tensor:
-    t = g() if callable(g) else g
+def _plain(t: torch.Tensor) -> torch.Tensor:
     return (t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t).reshape(-1)
 
 
-def _largest(grads: list[Grad]) -> tuple[float, float]:
-    """``(largest finite square, 2.0 if a nan / 1.0 if an inf / 0.0)`` over ``grads``."""
-    top, bad = 0.0, 0.0
-    for g in grads:
-        t = _read(g)
-        if not t.numel():
-            continue
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            bad = max(bad, 2.0 if bool(torch.isnan(t).any()) else 1.0)
-            t = t[finite]
-        if t.numel():
-            top = max(top, float(t.abs().max().to(torch.float64)) ** 2)
-    return top, bad
+def _chunks(held: list[torch.Tensor]) -> Iterable[torch.Tensor]:
+    """``held`` concatenated in runs of at most ``CHUNK`` elements (a larger grad alone)."""
+    run: list[torch.Tensor] = []
+    size = 0
+    for t in held:
+        if run and (size + t.numel() > CHUNK or t.device != run[0].device):
+            yield torch.cat(run) if len(run) > 1 else run[0]
+            run, size = [], 0
+        run.append(t)
+        size += t.numel()
+    if run:
+        yield torch.cat(run) if len(run) > 1 else run[0]
+
+
+def _flags(tops: list[float]) -> tuple[float, float]:
+    """``(largest finite square, 2.0 if a nan / 1.0 if an inf / 0.0)`` from the largest magnitudes."""
+    bad = 2.0 if any(t != t for t in tops) else 1.0 if any(math.isinf(t) for t in tops) else 0.0
+    finite = [t for t in tops if math.isfinite(t)]
+    return (max(finite) ** 2 if finite else 0.0), bad
 
 
 def exact_global_norm(grads: Iterable[Optional[Grad]], info: GroupInfo, count: int,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The 2-norm over the counted ``grads`` of every rank of ``info``, ``count`` elements in all
     (the model's, at any world size), as a ``dtype`` scalar on the communication device; two
-    all-reduces (MAX, then SUM of int64)."""
+    all-reduces (MAX, then SUM of int64). A grad given as a callable is read when its turn comes."""
     grads = [g for g in grads if g is not None]
+    held = [t for t in (_plain(g) for g in grads if not callable(g)) if t.numel()]
+    stored = [g for g in grads if callable(g)]
     device = comm_device(info)
-    top, bad = _largest(grads)
-    agreed = all_reduce(torch.tensor([top, bad], dtype=torch.float64, device=device), info, ReduceOp.MAX).cpu()
+    tops = largest(held) + [top for g in stored for top in largest([_plain(g())])]
+    agreed = all_reduce(torch.tensor(_flags(tops), dtype=torch.float64, device=device), info, ReduceOp.MAX).cpu()
     if agreed[1] > 0:
         return torch.tensor(float("nan") if agreed[1] > 1 else float("inf"), dtype=dtype, device=device)
     e, e_low = square_exponents(float(agreed[0]), count)
-    words = torch.zeros(2, dtype=torch.int64)
-    for g in grads:
-        t = _read(g)
-        if t.numel():
-            high, low = split_squares(t, e, e_low)
-            words += torch.stack([high, low]).cpu()
-    words = all_reduce(words.to(device), info).cpu()
-    total = join_squares(int(words[0]), int(words[1]), e, e_low)
+    words = [torch.stack(split_squares(flat, e, e_low)).cpu() for flat in _chunks(held)]
+    words += [torch.stack(split_squares(_plain(g()), e, e_low)).cpu() for g in stored]
+    total_words = torch.stack(words).sum(0) if words else torch.zeros(2, dtype=torch.int64)
+    total_words = all_reduce(total_words.to(device), info).cpu()
+    total = join_squares(int(total_words[0]), int(total_words[1]), e, e_low)
     return torch.tensor(math.sqrt(total), dtype=torch.float64).to(device, dtype)

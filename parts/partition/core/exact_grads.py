@@ -1,14 +1,16 @@
 """Reproducible mode's reduce-scatter: full grads to grad shards as int64 sums (core/exact.py).
 
 Each rank's full grad of a parameter is its unit's (its micro-batch's). The rank quantizes it
-at the exponent its own largest magnitude gives (``parts.base.fixed_point``); one MAX
-all-reduce over the bucket's parameters tells every rank the lowest and highest exponent any
-rank uses. Then one int64 reduce-scatter per exponent present, over the parameters that have
-it (a rank whose unit has another exponent sends zeros there): nearly always one, since
-exponents are multiples of 16 bits. Integer sums are exact in any order, so what each rank
+at the exponent its own largest magnitude gives (``parts.base.fixed_point``) and sends it in one
+int64 reduce-scatter with a few tags per parameter (``[1, e, e*e, nonfinite]``, summed like the
+data): from their sums every rank sees whether all units of a parameter had one exponent,
+nearly always the case since exponents are multiples of 16 bits; then the int64 sum it received
+is exact. Parameters whose units had several exponents are reduced again, one reduce-scatter
+per exponent present (``_by_exponent``). Integer sums are exact in any order, so what each rank
 receives is the same whatever the world size and however the units are paired. The sums are
 added to the parameter's ``ExactGrad`` and the grad shard is written from them; no division
-by the world size (each unit's loss carries its ``1 / units`` scale: ``parts.partition.units``).
+by the world size (each unit's loss carries its ``1 / units`` scale: ``parts.partition.reproducible``).
+The full grads stay alive until the reduce-scatter is waited for (the second round needs them).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from parts.base.fixed_point import GRID, quantize, unit_exponent
-from parts.comm import GroupArg, WorkList, max_everywhere, reduce_scatter_many
+from parts.base.fixed_point import GRID, largest, rounded, unit_exponent
+from parts.comm import GroupArg, max_everywhere, reduce_scatter_many
 from parts.partition.core import exact
 from parts.partition.core.exact import NONE
 from parts.partition.core.grads import ReduceHandle
@@ -27,20 +29,21 @@ from parts.partition.core.param import ParamMeta, alloc, common_info, metas_sort
 from parts.partition.core.replicas import mark_pending
 
 
-def _local(grad: torch.Tensor) -> tuple[Optional[int], bool]:
-    """``(exponent or None for zeros, nonfinite)`` of one unit's full grad."""
-    top = float(grad.abs().max()) if grad.numel() else 0.0
-    if top != top or top == float("inf"):
-        return None, True
-    return unit_exponent(top), False
+def _local(grads: list[torch.Tensor]) -> list[tuple[Optional[int], bool]]:
+    """``(exponent or None for zeros, nonfinite)`` of each of this unit's full grads."""
+    out = []
+    for top in largest(grads):
+        bad = top != top or top == float("inf")
+        out.append((None, True) if bad else (unit_exponent(top), False))
+    return out
 
 
 def _send(grad: torch.Tensor, own: Optional[int], exponent: int, m: ParamMeta, world: int) -> torch.Tensor:
     """The int64 send buffer of ``world * shard_numel`` elements: the grad quantized at ``exponent``
     if that is this unit's, else zeros (padding zeroed)."""
     send = alloc(world * m.layout.shard_numel, torch.int64, m.device)
-    if own == exponent:
-        send[:m.numel].copy_(quantize(grad, exponent))
+    if own is not None and own == exponent:
+        send[:m.numel].copy_(rounded(grad, exponent))  # integers below 2**50: exact in int64
         send[m.numel:].zero_()
     else:
         send.zero_()
@@ -58,40 +61,61 @@ def reduce_scatter_exact(params: Iterable[nn.Parameter], group: GroupArg = None,
     grads = [_full(p, m) for p, m in pairs]
     for p, _ in pairs:
         p.grad = None
-    local = [_local(g) for g in grads]
-    agreed = max_everywhere([e if e is not None else NONE for e, _ in local]
-                            + [-e if e is not None else NONE for e, _ in local]
-                            + [int(bad) for _, bad in local], info)
-    n = len(pairs)
-    states = [exact.begin(m, info.world_size) for _, m in pairs]
-    plan = []  # (index, exponent) of each reduce-scatter slice
-    for i in range(n):
-        high, low, bad = agreed[i], agreed[n + i], agreed[2 * n + i]
-        if bad:
-            states[i].nonfinite = True
-        elif high != NONE:
-            plan += [(i, e) for e in range(-low, high + 1, GRID)]
-    works, landed = [], []
-    for e in sorted({e for _, e in plan}):  # one int64 reduce-scatter per exponent present
-        members = [i for i, pe in plan if pe == e]
-        sends = [_send(grads[i], local[i][0], e, pairs[i][1], info.world_size) for i in members]
-        recvs = [alloc(pairs[i][1].layout.shard_numel, torch.int64, pairs[i][1].device) for i in members]
-        works.append(reduce_scatter_many(recvs, sends, info, async_op=True))
-        landed += [(i, e, r) for i, r in zip(members, recvs)]
+    local = _local(grads)
+    records = [m for _, m in pairs]
+    states = [exact.begin(m, info.world_size) for m in records]
+    sends = [_send(g, e, e, m, info.world_size) for g, (e, _), m in zip(grads, local, records)]
+    recvs = [alloc(m.layout.shard_numel, torch.int64, m.device) for m in records]
+    tags = _tags(local, info.world_size, records[0].device)
+    tag_sums = torch.empty(tags.shape[1], dtype=torch.int64, device=tags.device)
+    work = reduce_scatter_many([*recvs, tag_sums], [*sends, tags.reshape(-1)], info, async_op=True)
+    del sends
 
     def finish() -> None:
-        for i, e, part in landed:
-            exact.add(states[i], e, part)
-        records = [m for _, m in pairs]
+        mixed = []
+        for i, (units, first, second, bad) in enumerate(tag_sums.view(-1, 4).tolist()):
+            if bad:
+                states[i].nonfinite = True
+            elif units and units * second == first * first:  # every unit at one exponent: the sum is exact
+                exact.add(states[i], first // units, recvs[i])
+            elif units:
+                mixed.append(i)
+        if mixed:  # units at several exponents (the same list on every rank): one sum per exponent
+            _by_exponent([grads[i] for i in mixed], [local[i] for i in mixed], [states[i] for i in mixed],
+                         [records[i] for i in mixed], info)
         for m, state in zip(records, states):
             exact.land(m, exact.value(state, m.layout.shard_numel, m.device))
         mark_pending(records)  # a hybrid layout: the replicas' sums at the step (core/exact.py)
 
-    handle = ReduceHandle(WorkList(works), finish)
+    handle = ReduceHandle(work, finish)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _tags(local: list, world: int, device: torch.device) -> torch.Tensor:
+    """``world`` copies (one per destination) of ``[1, e, e * e, nonfinite]`` per parameter (zeros for
+    an all-zero grad): summed over ranks they say whether every unit has one exponent
+    (``units * sum(e*e) == sum(e) ** 2``) and which."""
+    rows = [[1, e, e * e, 0] if e is not None else [0, 0, 0, int(bad)] for e, bad in local]
+    return torch.tensor(rows, dtype=torch.int64).reshape(1, -1).expand(world, -1).contiguous().to(device)
+
+
+def _by_exponent(grads: list, local: list, states: list, records: list, info: object) -> None:
+    """The sums of parameters whose units have several exponents: one MAX all-reduce for the lowest
+    and highest, then one int64 reduce-scatter per exponent between them (zeros from a unit at another)."""
+    n = len(records)
+    agreed = max_everywhere([e if e is not None else NONE for e, _ in local]
+                            + [-e if e is not None else NONE for e, _ in local], info)
+    plan = [(i, e) for i in range(n) for e in range(-agreed[n + i], agreed[i] + 1, GRID)]
+    for e in sorted({e for _, e in plan}):
+        members = [i for i, pe in plan if pe == e]
+        sends = [_send(grads[i], local[i][0], e, records[i], info.world_size) for i in members]
+        recvs = [alloc(records[i].layout.shard_numel, torch.int64, records[i].device) for i in members]
+        reduce_scatter_many(recvs, sends, info)
+        for i, part in zip(members, recvs):
+            exact.add(states[i], e, part)
 
 
 def _full(p: nn.Parameter, m: ParamMeta) -> torch.Tensor:
