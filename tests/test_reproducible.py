@@ -300,3 +300,39 @@ def test_split_squares_sum_to_the_exact_sum_of_squares(seed: int) -> None:
     exact = sum(Fraction(v) ** 2 for v in values.double().tolist())
     assert abs(Fraction(join_squares(int(high), int(low), e, e_low)) - exact) <= exact * Fraction(1, 2 ** 50)
     assert (high, low) == split_squares(values.flip(0), e, e_low)  # any order, the same words
+
+
+def train_gpt_model(hybrid: bool, bf16: bool, steps: int) -> dict:
+    """The main recipe's GPT (small), fp32 masters, AdamW clipped at 1.0, 12 units of 2 sequences per step."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+    from gpt_model import GPT, GPTConfig
+    from parts.partition import (MixedPrecision, attach, backward_units, clip_grad_norm_, full_state_dict,
+                                 partitioned, shards)
+    torch.manual_seed(0)
+    with partitioned(**_layout(hybrid)):
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    attach(model, reproducible=True, mixed_precision=MixedPrecision() if bf16 else None)
+    opt = torch.optim.AdamW(shards(model), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        starts = torch.randint(0, 64, (24, 1), generator=torch.Generator().manual_seed(step))
+        tokens = (starts + torch.arange(17)) % 64  # a sequence to learn: each token follows the last
+        batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        losses.append(float(backward_units(model, batch, UNITS, lambda m, b: m(*b))))
+        clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": []}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_recipe_gpt_gives_the_same_bits_at_world_1_2_3_4_and_2x2(bf16: bool) -> None:
+    results = {}
+    for layout in LAYOUTS:
+        ranks = run(4 if layout == "2x2" else layout, train_gpt_model, layout == "2x2", bf16, 50, timeout=300)
+        results[layout] = ranks[0]
+    _assert_equal(results)
+    assert results[1]["losses"][-1] < results[1]["losses"][0]  # it trained
