@@ -336,3 +336,30 @@ def test_the_recipe_gpt_gives_the_same_bits_at_world_1_2_3_4_and_2x2(bf16: bool)
         results[layout] = ranks[0]
     _assert_equal(results)
     assert results[1]["losses"][-1] < results[1]["losses"][0]  # it trained
+
+
+def test_units_not_divisible_by_the_world_size_are_refused() -> None:
+    from parts.partition import unit_range
+    assert list(unit_range(12, 2, 4)) == [6, 7, 8]
+    with pytest.raises(ValueError, match="units=12 is not divisible by the world size 5"):
+        unit_range(12, 0, 5)
+
+
+def scaled_then_more_units() -> str:
+    from parts.partition import attach, backward_units, clip_grad_norm_, partitioned
+    torch.manual_seed(0)
+    with partitioned():
+        model = Net()
+    attach(model, reproducible=True)
+    backward_units(model, _batch(0), 4, loss_fn)
+    clip_grad_norm_(model, 1e-3)  # scales the grad shards in place
+    try:
+        backward_units(model, _batch(1), 4, loss_fn)  # without zero_grad: the sums no longer say what they hold
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+def test_a_grad_shard_changed_between_backwards_without_zero_grad_raises_naming_the_parameter() -> None:
+    message = run(1, scaled_then_more_units)[0]
+    assert "was changed outside the gradient reduction" in message and "parameter 'a.weight'" in message, message
