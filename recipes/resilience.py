@@ -19,15 +19,19 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import statistics
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
-from parts.comm import Heartbeat, Snapshots
+from parts.comm import Heartbeat, Snapshots, all_gather_objects
 
-# A snapshot of the default model costs about 40 ms of loop time per save on 2 CPU ranks
-# (benchmarks/bench_kill.py measures it): every 25 steps keeps it under 5% of the step time.
+# A snapshot of the default model holds the loop ~70 ms and takes ~140 ms of CPU in its
+# background thread at world 2 on 2 cores (benchmarks/bench_kill.py): every 25 steps costs
+# ~2.5% of the step time (at most ~3.6% if the thread's CPU time all came out of the steps).
 SNAPSHOT_EVERY = 25
 
 
@@ -38,7 +42,8 @@ def add_flags(add: Any) -> None:
              f"line rerun by torchrun's agent after a failure continues from the newest one "
              f"(the flag alone: K={SNAPSHOT_EVERY}; 0: off)")
     add("--heartbeat", action="store_true",
-        help="name a dead or hung rank within seconds and end every rank (parts.comm.Heartbeat)")
+        help="name a dead or hung rank within seconds and end every rank (parts.comm.Heartbeat); a stopped "
+             "rank on this host is sent SIGKILL, so that torchrun's agent restarts at once")
 
 
 def first_start() -> bool:
@@ -54,6 +59,24 @@ def note(event: str, **values: Any) -> None:
                   "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), **values}
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+_TICKS: list[float] = []  # with PARTS_RECIPE_EVENTS: the time at each step's end (test-only)
+
+
+def tick() -> None:
+    """Note the end of a step (the loop's start first), with ``PARTS_RECIPE_EVENTS`` only."""
+    if os.environ.get("PARTS_RECIPE_EVENTS"):
+        _TICKS.append(time.perf_counter())
+
+
+def step_times() -> dict:
+    """The median step and the time the steps took beyond ``steps x`` their median, from ``tick``."""
+    steps = [b - a for a, b in zip(_TICKS, _TICKS[1:])]
+    if not steps:
+        return {}
+    median = statistics.median(steps)
+    return {"median_step": median, "beyond_median": sum(steps) - median * len(steps)}
 
 
 def inject(step: int, rank: int) -> None:
@@ -89,6 +112,35 @@ def restore(snaps: Optional[Snapshots], state: dict, generator: torch.Generator)
     return restored.step
 
 
-def heartbeat(args: argparse.Namespace) -> Any:
-    """``Heartbeat()`` with ``--heartbeat``, else a context that does nothing."""
-    return Heartbeat() if args.heartbeat else contextlib.nullcontext()
+@contextlib.contextmanager
+def heartbeat(args: argparse.Namespace) -> Iterator[Optional[Heartbeat]]:
+    """With ``--heartbeat``: ``Heartbeat()``, and a peer on this host that stopped beating
+    (SIGSTOP, hung) is sent SIGKILL once it is named, so that torchrun's agent restarts the
+    group at once instead of waiting 30 s for the stopped worker to answer its SIGTERM.
+    Without the flag: nothing (None)."""
+    if not args.heartbeat:
+        yield None
+        return
+    peers = all_gather_objects((socket.gethostname(), os.getpid()))
+    ended = threading.Event()
+    with Heartbeat() as beat:
+        threading.Thread(target=_end_stopped_peer, args=(beat, peers, ended), name="recipe-stopped-peer",
+                         daemon=True).start()
+        try:
+            yield beat
+        finally:
+            ended.set()
+
+
+def _end_stopped_peer(beat: Heartbeat, peers: list, ended: threading.Event) -> None:
+    """SIGKILL the rank ``beat`` names once it sent no heartbeat, if it runs on this host."""
+    while beat.failure is None:
+        if ended.wait(0.1):
+            return
+    failure = beat.failure
+    if "sent no heartbeat" in failure.reason and 0 <= failure.rank < len(peers):
+        host, pid = peers[failure.rank]
+        if host == socket.gethostname() and pid != os.getpid():
+            note("ended stopped peer", peer=failure.rank)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)

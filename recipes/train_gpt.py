@@ -274,6 +274,7 @@ def main() -> None:
     # of the free blocks between the step's activation buffers, which splits them, and the heap
     # (RSS) of a rank creeps up. Off unless set: nothing here is debugged from its records.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+    resilience.note("started")
     device = devices.init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     # reproducible mode: a CPU kernel's sums may depend on its thread count, so one per rank at any world
@@ -303,6 +304,7 @@ def main() -> None:
     progress.note(f"step {start}: validation loss {val_curve[0][1]:.4f}")
     tokens_per_step = args.batch_size * args.seq_len * (args.reproducible or world)
     with resilience.heartbeat(args) as beat:
+        resilience.tick()
         for step in range(start + 1, end + 1):
             if beat:
                 beat.at_step(step)
@@ -329,10 +331,13 @@ def main() -> None:
             if done % args.eval_interval == 0 or step == end:
                 val_curve.append((step, evaluate(model, val_tokens, args, device)))
                 progress.note(f"step {step}: validation loss {val_curve[-1][1]:.4f}")
+            resilience.tick()
     elapsed = progress.elapsed()
+    resilience.note("trained", seconds=elapsed, steps=end - start, **resilience.step_times())
     sample = generate(model, args)
     save(args.out, model, optimizer, schedule, end)
     if snaps is not None:
+        resilience.note("snapshots", saves=snaps.saves, seconds=snaps.save_seconds, thread_seconds=snaps.thread_seconds)
         snaps.close()  # a clean finish: the job's snapshots leave host memory
     summarize(args, train_stats, optimizer, train_curve, val_curve, elapsed, sample, world)
     del model, coordinator, optimizer, schedule
