@@ -237,3 +237,31 @@ def roots_not_shared(root: str) -> str:
 def test_ranks_that_do_not_see_one_root_folder_are_refused_on_every_rank(tmp_path) -> None:
     for got in run(2, roots_not_shared, str(tmp_path), timeout=SLOW):
         assert "group rank(s) [1] do not see" in got, got
+
+
+def reused_run_id(run_id: str) -> dict:
+    import json
+    import torch.distributed as dist
+    from parts.base import owner_records
+    from parts.comm import Snapshots, all_gather_objects
+    from parts.comm.snapshot_files import default_root, job_folder
+    folder = job_folder(default_root(), run_id)
+    if dist.get_rank() == 0:  # an earlier torchrun job of this run id, its agent gone, left a snapshot
+        (folder / "node-0" / "gen-00000001").mkdir(parents=True)
+        record = {**owner_records.record(), "pid": 2**22 + 7, "start": "1"}
+        (folder / "owner.json").write_text(json.dumps(record))
+    all_gather_objects(None)
+    os.environ["TORCHELASTIC_RUN_ID"] = run_id
+    try:
+        with Snapshots(every=1) as snaps:
+            model, opt = _build()
+            restored = snaps.restore(_state(model, opt))
+            old_gone = not (folder / "node-0" / "gen-00000001").exists()
+    finally:
+        del os.environ["TORCHELASTIC_RUN_ID"]
+    return {"restored": restored, "old_gone": old_gone, "left": folder.exists()}
+
+
+def test_a_run_id_reused_after_its_agent_is_gone_starts_afresh() -> None:
+    for got in run(2, reused_run_id, f"test-{uuid.uuid4().hex[:8]}", timeout=SLOW):
+        assert got == {"restored": None, "old_gone": True, "left": False}, got

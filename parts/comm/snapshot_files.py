@@ -64,8 +64,12 @@ def side_name(rank: int) -> str:
     return f"rank-{rank}.pt"
 
 
-def claim(job_dir: Path, owner_pid: int) -> None:
-    """Make ``job_dir`` with its owner record (kept if there: a restarted group's job is the same)."""
+def claim(job_dir: Path, owner_pid: int, replace_orphaned: bool) -> None:
+    """Make ``job_dir`` with its owner record (kept if there: a restarted group's job is the same).
+    With ``replace_orphaned``, a folder whose recorded owner is gone belongs to an earlier run
+    that reused the job's name: it is removed first, never restored."""
+    if replace_orphaned and job_dir.is_dir() and _owner_gone(job_dir, owner.here()):
+        shutil.rmtree(job_dir, ignore_errors=True)
     job_dir.mkdir(parents=True, exist_ok=True)
     record = job_dir / OWNER
     if not record.is_file():

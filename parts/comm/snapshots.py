@@ -86,7 +86,8 @@ class Snapshots:
         self.leader = info.rank % size == 0
         marker = self.job_dir / f"start-{self._token}"
         if info.rank == 0:
-            files.claim(self.job_dir, os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else os.getpid())
+            agent = bool(os.environ.get("TORCHELASTIC_RUN_ID"))  # the agent outlives the workers
+            files.claim(self.job_dir, os.getppid() if agent else os.getpid(), replace_orphaned=agent)
             self.reclaimed_bytes = files.reclaim(self.root, keep=self.job_dir)
             marker.touch()
         highest = all_gather_objects(self._highest_generation(), info.group)  # rank 0 made the folder
