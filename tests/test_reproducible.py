@@ -363,3 +363,30 @@ def scaled_then_more_units() -> str:
 def test_a_grad_shard_changed_between_backwards_without_zero_grad_raises_naming_the_parameter() -> None:
     message = run(1, scaled_then_more_units)[0]
     assert "was changed outside the gradient reduction" in message and "parameter 'a.weight'" in message, message
+
+
+def large_grad_norm() -> dict:
+    """A parameter larger than the quantizing and squaring pieces: its grad shards and the clip norm,
+    beside the float64 norm of the gathered grad."""
+    from parts.comm.exact_norm import CHUNK
+    from parts.partition import attach, backward_units, clip_grad_norm_, meta, partitioned
+    torch.manual_seed(0)
+    with partitioned():
+        model = torch.nn.Linear(1024, 600)
+    assert model.weight.numel() > 2 * CHUNK
+    attach(model, reproducible=True)
+    x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(1))
+    backward_units(model, (x,), 6, lambda m, b: m(b[0]).square().mean())
+    grads = {k: meta(p).grad_shard.clone() for k, p in model.named_parameters()}
+    return {"grads": grads, "norm": clip_grad_norm_(model, 1e9)}
+
+
+def test_a_large_parameter_has_the_same_grad_and_norm_at_world_1_2_and_3() -> None:
+    results = {w: run(w, large_grad_norm) for w in (1, 2, 3)}
+    first = results[1][0]
+    truth = torch.cat([g.double() for g in first["grads"].values()]).norm()
+    assert abs(float(first["norm"]) - float(truth)) <= 1e-6 * float(truth)
+    for w, ranks in results.items():
+        assert all(torch.equal(r["norm"], first["norm"]) for r in ranks), w
+        for k, v in first["grads"].items():
+            assert torch.equal(torch.cat([r["grads"][k] for r in ranks])[:v.numel()], v), (w, k)

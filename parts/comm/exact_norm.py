@@ -22,8 +22,9 @@ from parts.comm.device import comm_device
 from parts.comm.group import GroupInfo
 
 Grad = Union[torch.Tensor, Callable[[], torch.Tensor]]
-CHUNK = 1 << 22
-"""Elements of the grads in memory squared together (one concatenation): few kernels, bounded memory."""
+CHUNK = 1 << 18
+"""Elements squared together: small grads concatenated, large ones in pieces, so each piece's
+float64 intermediates stay in cache and few kernels run."""
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -31,17 +32,29 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _chunks(held: list[torch.Tensor]) -> Iterable[torch.Tensor]:
-    """``held`` concatenated in runs of at most ``CHUNK`` elements (a larger grad alone)."""
+    """``held`` in pieces of at most ``CHUNK`` elements: runs of small grads concatenated, large ones split."""
     run: list[torch.Tensor] = []
     size = 0
     for t in held:
         if run and (size + t.numel() > CHUNK or t.device != run[0].device):
             yield torch.cat(run) if len(run) > 1 else run[0]
             run, size = [], 0
+        if t.numel() > CHUNK:
+            yield from t.split(CHUNK)
+            continue
         run.append(t)
         size += t.numel()
     if run:
         yield torch.cat(run) if len(run) > 1 else run[0]
+
+
+def _words(pieces: Iterable[torch.Tensor], e: int, e_low: int) -> torch.Tensor:
+    """The two int64 words of ``split_squares`` summed over ``pieces`` (on the CPU: one copy per device)."""
+    sums: dict[torch.device, torch.Tensor] = {}
+    for piece in pieces:
+        words = torch.stack(split_squares(piece, e, e_low))
+        sums[piece.device] = sums[piece.device] + words if piece.device in sums else words
+    return sum((w.cpu() for w in sums.values()), torch.zeros(2, dtype=torch.int64))
 
 
 def _flags(tops: list[float]) -> tuple[float, float]:
@@ -65,9 +78,8 @@ def exact_global_norm(grads: Iterable[Optional[Grad]], info: GroupInfo, count: i
     if agreed[1] > 0:
         return torch.tensor(float("nan") if agreed[1] > 1 else float("inf"), dtype=dtype, device=device)
     e, e_low = square_exponents(float(agreed[0]), count)
-    words = [torch.stack(split_squares(flat, e, e_low)).cpu() for flat in _chunks(held)]
-    words += [torch.stack(split_squares(_plain(g()), e, e_low)).cpu() for g in stored]
-    total_words = torch.stack(words).sum(0) if words else torch.zeros(2, dtype=torch.int64)
+    total_words = _words(_chunks(held), e, e_low) + sum((_words(_chunks([_plain(g())]), e, e_low) for g in stored),
+                                                        torch.zeros(2, dtype=torch.int64))
     total_words = all_reduce(total_words.to(device), info).cpu()
     total = join_squares(int(total_words[0]), int(total_words[1]), e, e_low)
     return torch.tensor(math.sqrt(total), dtype=torch.float64).to(device, dtype)

@@ -6,10 +6,11 @@ int64 reduce-scatter with a few tags per parameter (``[1, e, e*e, nonfinite]``, 
 data): from their sums every rank sees whether all units of a parameter had one exponent,
 nearly always the case since exponents are multiples of 16 bits; then the int64 sum it received
 is exact. Parameters whose units had several exponents are reduced again, one reduce-scatter
-per exponent present (``_by_exponent``). Integer sums are exact in any order, so what each rank
-receives is the same whatever the world size and however the units are paired. The sums are
-added to the parameter's ``ExactGrad`` and the grad shard is written from them; no division
-by the world size (each unit's loss carries its ``1 / units`` scale: ``parts.partition.reproducible``).
+per exponent present but the highest, whose sum is what is left of the first
+(``_by_exponent``). Integer sums are exact in any order, so what each rank receives is the
+same whatever the world size and however the units are paired. The sums are added to the
+parameter's ``ExactGrad`` and the grad shard is written from them; no division by the world
+size (each unit's loss carries its ``1 / units`` scale: ``parts.partition.reproducible``).
 The full grads stay alive until the reduce-scatter is waited for (the second round needs them).
 """
 
@@ -28,6 +29,9 @@ from parts.partition.core.grads import ReduceHandle
 from parts.partition.core.param import ParamMeta, alloc, common_info, metas_sorted
 from parts.partition.core.replicas import mark_pending
 
+CHUNK = 1 << 18
+"""Elements quantized at once into a send buffer: the float intermediate stays in cache."""
+
 
 def _local(grads: list[torch.Tensor]) -> list[tuple[Optional[int], bool]]:
     """``(exponent or None for zeros, nonfinite)`` of each of this unit's full grads."""
@@ -43,7 +47,8 @@ def _send(grad: torch.Tensor, own: Optional[int], exponent: int, m: ParamMeta, w
     if that is this unit's, else zeros (padding zeroed)."""
     send = alloc(world * m.layout.shard_numel, torch.int64, m.device)
     if own is not None and own == exponent:
-        send[:m.numel].copy_(rounded(grad, exponent))  # integers below 2**50: exact in int64
+        for part, out in zip(grad.split(CHUNK), send[:m.numel].split(CHUNK)):  # in cache-sized pieces
+            out.copy_(rounded(part, exponent))  # integers below 2**50: exact in int64
         send[m.numel:].zero_()
     else:
         send.zero_()
@@ -82,7 +87,7 @@ def reduce_scatter_exact(params: Iterable[nn.Parameter], group: GroupArg = None,
                 mixed.append(i)
         if mixed:  # units at several exponents (the same list on every rank): one sum per exponent
             _by_exponent([grads[i] for i in mixed], [local[i] for i in mixed], [states[i] for i in mixed],
-                         [records[i] for i in mixed], info)
+                         [records[i] for i in mixed], info, [recvs[i] for i in mixed])
         for m, state in zip(records, states):
             exact.land(m, exact.value(state, m.layout.shard_numel, m.device))
         mark_pending(records)  # a hybrid layout: the replicas' sums at the step (core/exact.py)
@@ -102,20 +107,26 @@ def _tags(local: list, world: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(1, -1).expand(world, -1).contiguous().to(device)
 
 
-def _by_exponent(grads: list, local: list, states: list, records: list, info: object) -> None:
+def _by_exponent(grads: list, local: list, states: list, records: list, info: object,
+                 mixed_sums: list) -> None:
     """The sums of parameters whose units have several exponents: one MAX all-reduce for the lowest
-    and highest, then one int64 reduce-scatter per exponent between them (zeros from a unit at another)."""
+    and highest, one int64 reduce-scatter per exponent below the highest (zeros from a unit at
+    another); the highest one's sum is the first round's ``mixed_sums`` less those (exact integers)."""
     n = len(records)
     agreed = max_everywhere([e if e is not None else NONE for e, _ in local]
                             + [-e if e is not None else NONE for e, _ in local], info)
-    plan = [(i, e) for i in range(n) for e in range(-agreed[n + i], agreed[i] + 1, GRID)]
+    rest = [s.clone() for s in mixed_sums]
+    plan = [(i, e) for i in range(n) for e in range(-agreed[n + i], agreed[i], GRID)]
     for e in sorted({e for _, e in plan}):
         members = [i for i, pe in plan if pe == e]
         sends = [_send(grads[i], local[i][0], e, records[i], info.world_size) for i in members]
         recvs = [alloc(records[i].layout.shard_numel, torch.int64, records[i].device) for i in members]
         reduce_scatter_many(recvs, sends, info)
         for i, part in zip(members, recvs):
+            rest[i].sub_(part)
             exact.add(states[i], e, part)
+    for i in range(n):
+        exact.add(states[i], agreed[i], rest[i])
 
 
 def _full(p: nn.Parameter, m: ParamMeta) -> torch.Tensor:
