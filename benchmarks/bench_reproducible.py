@@ -18,9 +18,10 @@ each in turn (so load drift on a shared machine hits all alike):
   ``--accumulate`` K micro-batches of ``--batch`` sequences per rank (gradient accumulation;
   reproducible mode computes its units one by one the same way).
 
-Per row: the median step (forward, backward, the mean loss over ranks, clip, optimizer step), rank 0's bytes per step
-on the wire by kind (``parts.comm.comm_counter``: reduce-scatter, all-gather, and the small
-agreement all-reduces counted as ``check``), and each against its default row.
+Per row: the median step (forward, backward, the mean loss over ranks, clip, optimizer step) in
+wall time and in rank 0's CPU time (steadier where other jobs share the cores), rank 0's bytes
+per step on the wire by kind (``parts.comm.comm_counter``: reduce-scatter, all-gather,
+all-reduce, and small agreements counted as ``check``), and each against its default row.
 """
 
 from __future__ import annotations
@@ -62,11 +63,13 @@ def _build(config: GPTConfig, reproducible: bool) -> tuple:
     return model, torch.optim.AdamW(shards(model), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def _step(model, optimizer, reproducible: bool, per_rank: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-    """One training step over the global batch (``inputs``: every rank's rows); returns its seconds."""
+def _step(model, optimizer, reproducible: bool, per_rank: int, inputs: torch.Tensor,
+          targets: torch.Tensor) -> tuple[float, float]:
+    """One training step over the global batch (``inputs``: every rank's rows); returns its wall and
+    CPU seconds (this process, its communication threads included)."""
     from parts.partition import backward_units, clip_grad_norm_
     rank = dist.get_rank()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     if reproducible:
         backward_units(model, (inputs, targets), per_rank * WORLD, lambda m, b: m(*b))
     else:  # each rank's micro-batches: the same rows as its units above; the mean loss, as backward_units
@@ -80,7 +83,7 @@ def _step(model, optimizer, reproducible: bool, per_rank: int, inputs: torch.Ten
     clip_grad_norm_(model, 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
@@ -95,20 +98,23 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
     built = [_build(config, reproducible) for _, reproducible, _ in settings]
     tokens, generator = load_splits(None)[0], torch.Generator().manual_seed(7)
     times: list[list[float]] = [[] for _ in settings]
+    cpus: list[list[float]] = [[] for _ in settings]
     moved = [dict.fromkeys(KINDS, 0) for _ in settings]
     for step in range(args.steps + args.warmup):
         for i, ((_, reproducible, per_rank), (model, optimizer)) in enumerate(zip(settings, built)):
             inputs, targets = make_batch(tokens, args.batch * per_rank * WORLD, config.block_size, generator)
             before = comm_counter.snapshot()
-            elapsed = _step(model, optimizer, reproducible, per_rank, inputs, targets)
+            elapsed, cpu = _step(model, optimizer, reproducible, per_rank, inputs, targets)
             if step >= args.warmup:
                 times[i].append(elapsed)
+                cpus[i].append(cpu)
                 after = comm_counter.snapshot()
                 for kind in KINDS:
                     moved[i][kind] += after[kind] - before[kind]
     if rank == 0:
         for i, (name, _, _) in enumerate(settings):
-            out[name] = dict(step=statistics.median(times[i]), bytes={k: v // args.steps for k, v in moved[i].items()})
+            out[name] = dict(step=statistics.median(times[i]), cpu=statistics.median(cpus[i]),
+                             bytes={k: v // args.steps for k, v in moved[i].items()})
     dist.destroy_process_group()
 
 
@@ -117,7 +123,8 @@ def _rows(results: dict, settings: list) -> list[dict]:
     for i, (name, reproducible, per_rank) in enumerate(settings):
         r, base = results[name], results[settings[i - 1 if reproducible else i][0]]
         row = dict(setting=name, units_per_rank=per_rank, step_s=round(r["step"], 4),
-                   step_vs_default=round(r["step"] / base["step"], 3))
+                   step_vs_default=round(r["step"] / base["step"], 3), cpu_s=round(r["cpu"], 4),
+                   cpu_vs_default=round(r["cpu"] / base["cpu"], 3))
         for kind in KINDS:
             row[f"{kind.split('_bytes')[0]}_MiB"] = round(r["bytes"][kind] / 2 ** 20, 3)
         rs, base_rs = r["bytes"]["reduce_scatter_bytes"], base["bytes"]["reduce_scatter_bytes"]
