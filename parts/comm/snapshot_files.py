@@ -52,10 +52,12 @@ def job_folder(root: Path, job: str) -> Path:
 
 
 def node_folder(job_dir: Path, node: int) -> Path:
+    """The folder of node ``node``'s copies of the job's snapshots."""
     return job_dir / f"node-{node}"
 
 
 def gen_name(generation: int) -> str:
+    """The folder name of a committed generation."""
     return f"gen-{generation:08d}"
 
 
