@@ -4,11 +4,12 @@ updated partitions, state-dict gathers), on ``parts.comm``."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from parts.comm import GroupInfo, ReduceOp, all_gather, all_reduce, global_rank, group_info, reduce_scatter
+from parts.comm.exact_norm import exact_global_norm
 
 from .layout import BucketPiece
 
@@ -99,3 +100,14 @@ def norm_group_infos(groups: Sequence[object]) -> list[GroupInfo]:
             raise ValueError(f"BF16Optimizer: norm_groups[{i}] does not contain this process "
                              f"(global rank {global_rank()}); pass groups this rank is in") from None
     return infos
+
+
+def reproducible_norm(grads: list[torch.Tensor], sharded_groups: list, flat_groups: list,
+                      info: GroupInfo) -> Optional[torch.Tensor]:
+    """The global 2-norm of ``grads`` in fixed point (the same bits at any world size) if the sharded
+    parameters belong to a model attached with ``reproducible=True``; None otherwise."""
+    if not any(s.record.exact is not None for sharded in sharded_groups for s in sharded):
+        return None
+    count = sum(s.record.numel for sharded in sharded_groups for s in sharded)
+    count += sum(param.numel() for fg in flat_groups if fg for param in fg.params)
+    return exact_global_norm(grads, info, count)

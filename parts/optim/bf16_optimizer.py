@@ -11,7 +11,6 @@ import torch
 from parts.base.weak import weak_method
 from parts.base.wrapper import OptimizerWrapper
 from parts.comm import GroupArg, ProcessGroup, WeakGroup, comm_device, resolve_group
-from parts.comm.exact_norm import exact_global_norm
 from parts.comm.norm import local_norms, local_sum
 from parts.partition.core.param import is_partitioned, meta
 from parts.partition.core.points import announce
@@ -285,16 +284,12 @@ class BF16Optimizer(OptimizerWrapper):
         """The global norm on the communication device: one ``_foreach_norm``, one all-reduce; in
         fixed point for a model in reproducible mode (the same bits at any world size)."""
         p = self.norm_type
-        if p == 2.0 and not self._norm_infos and self._reproducible():
-            count = sum(s.record.numel for sh in self.sharded_groups for s in sh)
-            count += sum(param.numel() for fg in self.flat_groups if fg for param in fg.params)
-            return exact_global_norm(grads, self.comm, count)
+        exact = C.reproducible_norm(grads, self.sharded_groups, self.flat_groups, self.comm) \
+            if p == 2.0 and not self._norm_infos else None
+        if exact is not None:
+            return exact
         norms = local_norms(grads, p, dtype=None)  # stored grads (callables) read one at a time
         return C.all_reduce_norm(local_sum(norms, comm_device(self.comm), p), p, self.comm, self._norm_infos)
-
-    def _reproducible(self) -> bool:
-        """True if the sharded parameters belong to a model attached with ``reproducible=True``."""
-        return any(s.record.exact is not None for sh in self.sharded_groups for s in sh)
 
     @staticmethod
     def _host_norm(value: float, scale: float) -> torch.Tensor:
