@@ -143,8 +143,18 @@ class Meeting:
             if there:
                 got = dict(zip(there, self.store.multi_get(there)))
                 return [pickle.loads(got[k]) if k in got else None for k in keys]
-            self._wait(keys[:1], ranks, passed, keys)
+            try:
+                self._wait(keys[:1], ranks, passed, keys)
+            except TimeoutError:  # a rank may post just after the deadline: name every rank waited for
+                self._keep_late_posts(keys, ranks, passed)
+                raise TimeoutError(self._late(ranks, passed)) from None
         return [pickle.loads(v) for v in self.store.multi_get(keys)]
+
+    def _keep_late_posts(self, keys: list[str], ranks: list[int], passed: dict[int, object]) -> None:
+        """The entries of ``keys`` posted since the deadline, kept as those ranks' last builds."""
+        for rank, key in zip(ranks, keys):
+            if self.store.check([key]):
+                passed[rank] = pickle.loads(self.store.get(key))[1]
 
     def _wait(self, keys: list[str], ranks: list[int], passed: dict[int, object],
               every: Optional[list[str]] = None) -> None:
