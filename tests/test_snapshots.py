@@ -13,27 +13,7 @@ import pytest
 import torch
 
 from harness import run
-
-SLOW = 240.0  # DCP's first import in a worker takes seconds on a loaded 2-core machine
-
-
-def _build(seed: int = 0):
-    from parts.partition import partitioned, shards
-    torch.manual_seed(seed)
-    with partitioned():
-        model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.LayerNorm(9), torch.nn.Linear(9, 5))
-    return model, torch.optim.Adam(shards(model), lr=1e-2)
-
-
-def _step(model, opt, seed: int) -> None:
-    import torch.distributed as dist
-    from parts.partition import gathered, reduce_scatter_grads
-    generator = torch.Generator().manual_seed(seed + dist.get_rank())
-    with gathered(list(model.parameters())):
-        model(torch.randn(4, 6, generator=generator)).square().mean().backward()
-    reduce_scatter_grads(list(model.parameters()))
-    opt.step()
-    opt.zero_grad()
+from test_dcp_async import SLOW, _build, _step
 
 
 def _state(model, opt) -> dict:
