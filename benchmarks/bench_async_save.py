@@ -13,8 +13,10 @@ rank's): the run's time, its median step, the overhead (the time its steps and s
 took beyond ``steps x`` its own median step, so that the load of a shared machine during the
 run cancels out: **none**'s is the noise floor; steps slowed by a background write count),
 the mean time a save call blocks the loop, for async the steps until each save was seen
-committed, and the peak RSS growth over the RSS at the start of the run (host buffers made in
-an earlier round are reused, not counted again).
+committed, the peak RSS growth over the RSS at the start of the run (host buffers made in
+an earlier round are reused, not counted again), and the run's time against **none**'s run in
+the same round (the median over the rounds: the modes of a round run back to back, so a shared
+machine's load slows them alike).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ from record import record  # noqa: E402
 from parts.comm import all_gather_objects, broadcast_object, dcp  # noqa: E402
 from parts.comm.async_save import _Process  # noqa: E402  (the host copy's size)
 from parts.partition import is_partitioned, meta  # noqa: E402
+
+
+MODES = ("none", "blocking", "async")
 
 
 def _rss() -> int:
@@ -130,13 +135,14 @@ def main() -> None:
     model, _, optimizer, schedule = train_gpt.build(recipe, device)
     params = sum(meta(p).numel if is_partitioned(p) else p.numel() for p in model.parameters())
     scratch = broadcast_object(args.dir or (tempfile.mkdtemp(prefix="bench-async-") if rank == 0 else None), src=0)
-    rows = {}
+    rows, elapsed = {}, {mode: [] for mode in MODES}
     for round_ in range(args.rounds):
-        for mode in ("none", "blocking", "async"):
+        for mode in MODES:
             rows[mode] = run_mode(mode, (model, optimizer, schedule), args, os.path.join(scratch, mode), device)
+            elapsed[mode].append(rows[mode]["elapsed"])
             if rank == 0:
                 print(f"round {round_ + 1} {mode}: {rows[mode]['elapsed']:.2f} s", flush=True)
-    every = all_gather_objects({**rows, "host_copy": _Process.host.nbytes})
+    every = all_gather_objects({**rows, "host_copy": _Process.host.nbytes, "elapsed": elapsed})
     if rank == 0:
         report(args, every, params, world)
         if not args.dir:
@@ -153,10 +159,18 @@ def _overhead(row: dict) -> float:
     return 100 * (spent / (len(row["steps"]) * median) - 1)
 
 
+def _vs_none(every: list[dict], mode: str) -> float:
+    """Percent ``mode``'s run took beyond **none**'s run of the same round (slowest ranks), the
+    median over the rounds."""
+    rounds = len(every[0]["elapsed"][mode])
+    slowest = {m: [max(r["elapsed"][m][i] for r in every) for i in range(rounds)] for m in ("none", mode)}
+    return statistics.median(100 * (t / base - 1) for t, base in zip(slowest[mode], slowest["none"]))
+
+
 def report(args: argparse.Namespace, every: list[dict], params: int, world: int) -> None:
     """Print and record the table (per mode: the slowest rank's numbers)."""
     table = []
-    for mode in ("none", "blocking", "async"):
+    for mode in MODES:
         ranks = [r[mode] for r in every]
         calls = [max(r["calls"][i] for r in ranks) for i in range(len(ranks[0]["calls"]))]
         table.append({"mode": mode, "run_s": round(max(r["elapsed"] for r in ranks), 2),
@@ -165,7 +179,8 @@ def report(args: argparse.Namespace, every: list[dict], params: int, world: int)
                       "save_call_s": round(sum(calls) / len(calls), 3) if calls else "",
                       "saves": len(calls),
                       "committed_after_steps": ", ".join(map(str, ranks[0]["commits"])) if mode == "async" else "",
-                      "peak_rss_growth_MiB": round(max(r["rss"] for r in ranks) / 2**20, 1)})
+                      "peak_rss_growth_MiB": round(max(r["rss"] for r in ranks) / 2**20, 1),
+                      "run_vs_none_pct": round(_vs_none(every, mode), 1)})
     print(f"\nGPT {params / 1e6:.1f}M params, world {world}, {args.steps} steps per mode, a save every "
           f"{args.every} steps; host copy per rank: {every[0]['host_copy'] / 2**20:.1f} MiB")
     for row in table:
