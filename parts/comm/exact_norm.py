@@ -2,17 +2,19 @@
 
 Reproducible mode's clipping (``parts.partition.clip_grad_norm_`` of a model attached with
 ``reproducible=True``). The square of an fp32 or bf16 element is exact in float64; one MAX
-all-reduce gives every rank the largest square, and from it and the element count (the same at
-any world size) one exponent at which every square becomes two int64 words
-(``parts.base.fixed_point.split_squares``). Integer sums are exact in any order, so the one SUM
-all-reduce of the two words, and the square root taken from them in float64, give the same norm
-at every world size. A non-finite element makes the norm nan (or inf if none is nan).
+all-reduce gives every rank the largest square and the largest bound of the element count any
+rank passed (the same at any world size), and from them one exponent at which every square
+becomes two int64 words (``parts.base.fixed_point.split_squares``). Integer sums are exact in
+any order, so the one SUM all-reduce of the two words, and the square root taken from them in
+float64, give the same norm at every world size. Over a grid each all-reduce runs over the
+rank's group and then over each of ``extra`` in turn (a dp group, then a tp group). A non-finite
+element makes the norm nan (or inf if none is nan).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -64,22 +66,32 @@ def _flags(tops: list[float]) -> tuple[float, float]:
     return (max(finite) ** 2 if finite else 0.0), bad
 
 
+def _reduce(value: torch.Tensor, groups: Sequence[GroupInfo], op: ReduceOp) -> torch.Tensor:
+    """``value`` all-reduced over each of ``groups`` in turn, read back to the CPU."""
+    for each in groups:
+        value = all_reduce(value, each, op)
+    return value.cpu()
+
+
 def exact_global_norm(grads: Iterable[Optional[Grad]], info: GroupInfo, count: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 2-norm over the counted ``grads`` of every rank of ``info``, ``count`` elements in all
-    (the model's, at any world size), as a ``dtype`` scalar on the communication device; two
-    all-reduces (MAX, then SUM of int64). A grad given as a callable is read when its turn comes."""
+                      dtype: torch.dtype = torch.float32, extra: Sequence[GroupInfo] = ()) -> torch.Tensor:
+    """The 2-norm over the counted ``grads`` of every rank of ``info`` (and of ``extra``'s groups),
+    as a ``dtype`` scalar on the communication device; two all-reduces (MAX, then SUM of int64)
+    per group. ``count``: a bound of the elements counted in all, whose largest over the ranks is
+    the same at any world size (the model's element count). A grad given as a callable is read
+    when its turn comes."""
     grads = [g for g in grads if g is not None]
     held = [t for t in (_plain(g) for g in grads if not callable(g)) if t.numel()]
     stored = [g for g in grads if callable(g)]
     device = comm_device(info)
     tops = largest(held) + [top for g in stored for top in largest([_plain(g())])]
-    agreed = all_reduce(torch.tensor(_flags(tops), dtype=torch.float64, device=device), info, ReduceOp.MAX).cpu()
+    groups = (info, *extra)
+    agreed = _reduce(torch.tensor([*_flags(tops), count], dtype=torch.float64, device=device), groups, ReduceOp.MAX)
     if agreed[1] > 0:
         return torch.tensor(float("nan") if agreed[1] > 1 else float("inf"), dtype=dtype, device=device)
-    e, e_low = square_exponents(float(agreed[0]), count)
+    e, e_low = square_exponents(float(agreed[0]), int(agreed[2]))
     total_words = _words(_chunks(held), e, e_low) + sum((_words(_chunks([_plain(g())]), e, e_low) for g in stored),
                                                         torch.zeros(2, dtype=torch.int64))
-    total_words = all_reduce(total_words.to(device), info).cpu()
+    total_words = _reduce(total_words.to(device), groups, ReduceOp.SUM)
     total = join_squares(int(total_words[0]), int(total_words[1]), e, e_low)
     return torch.tensor(math.sqrt(total), dtype=torch.float64).to(device, dtype)

@@ -103,11 +103,27 @@ def norm_group_infos(groups: Sequence[object]) -> list[GroupInfo]:
 
 
 def reproducible_norm(grads: list[torch.Tensor], sharded_groups: list, flat_groups: list,
-                      info: GroupInfo) -> Optional[torch.Tensor]:
+                      info: GroupInfo, extra: Sequence[GroupInfo] = ()) -> Optional[torch.Tensor]:
     """The global 2-norm of ``grads`` in fixed point (the same bits at any world size) if the sharded
-    parameters belong to a model attached with ``reproducible=True``; None otherwise."""
-    if not any(s.record.exact is not None for sharded in sharded_groups for s in sharded):
+    parameters belong to a model attached with ``reproducible=True``; None otherwise. Over ``info``
+    and then each of ``extra`` (``norm_groups``: the other axes of a grid)."""
+    if not reproducible(sharded_groups, flat_groups):
         return None
     count = sum(s.record.numel for sharded in sharded_groups for s in sharded)
-    count += sum(param.numel() for fg in flat_groups if fg for param in fg.params)
-    return exact_global_norm(grads, info, count)
+    for each in extra:  # every rank of a grid axis counts its own pieces: a bound of them all
+        count *= each.world_size
+    return exact_global_norm(grads, info, count, extra=extra)
+
+
+def reproducible(sharded_groups: list, flat_groups: list) -> bool:
+    """True if the sharded parameters belong to a model attached with ``reproducible=True``;
+    ValueError if parameters the optimizer shards itself (averaged in float) are beside them."""
+    if not any(s.record.exact is not None for sharded in sharded_groups for s in sharded):
+        return False
+    flat = [name for fg in flat_groups if fg for name in fg.names]
+    if flat:
+        raise ValueError(f"BF16Optimizer: parameter {flat[0]!r} ({len(flat)} in all) is not built under "
+                         f"parts.partition.partitioned(); the optimizer averages such grads in float, "
+                         f"which reproducible mode (attach(model, reproducible=True)) cannot allow: "
+                         f"build every parameter of the model under partitioned()")
+    return True

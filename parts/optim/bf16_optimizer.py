@@ -82,8 +82,7 @@ class BF16Optimizer(OptimizerWrapper):
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         plan_buckets([], allgather_bucket_size, self.world_size)  # validate before touching params
         self._counts_replicated = self._norm_group_ranks_are_zero(norm_groups)
-        self._replicated = replicated
-        self.skipped_steps = 0
+        self._replicated, self.skipped_steps = replicated, 0
         self.last_grad_norm: Optional[float] = None
         self._has_grads = False
         self.flat_groups: list[Optional[FlatGroup]] = []
@@ -93,6 +92,7 @@ class BF16Optimizer(OptimizerWrapper):
         self._norm_sharded: list[list[bool]] = []
         self._hooks: list[Any] = []
         self._build(self._names(named_parameters))
+        C.reproducible(self.sharded_groups, self.flat_groups)  # refuses float-averaged params beside it
         offloaded.setup(self)  # shards on disk: masters there too (needs OffloadedOptimizer inside)
         self.loss_scaler = loss_scaler
         if loss_scaler is None and self._model_dtype() == torch.float16:
@@ -284,8 +284,8 @@ class BF16Optimizer(OptimizerWrapper):
         """The global norm on the communication device: one ``_foreach_norm``, one all-reduce; in
         fixed point for a model in reproducible mode (the same bits at any world size)."""
         p = self.norm_type
-        exact = C.reproducible_norm(grads, self.sharded_groups, self.flat_groups, self.comm) \
-            if p == 2.0 and not self._norm_infos else None
+        exact = C.reproducible_norm(grads, self.sharded_groups, self.flat_groups, self.comm,
+                                    self._norm_infos) if p == 2.0 else None
         if exact is not None:
             return exact
         norms = local_norms(grads, p, dtype=None)  # stored grads (callables) read one at a time

@@ -8,7 +8,9 @@ replicated over tp on tp rank 0 only (the rule of ``parts.parallel.clip_grad_nor
 ``parts.comm.norm``); the all-reduce is over ``grid.group``.
 
 In reproducible mode (parameters of a model attached with ``reproducible=True``) the 2-norm is
-summed in fixed point (``parts.comm.exact_norm``): the same bits at every world size.
+summed in fixed point (``parts.comm.exact_norm``): the same bits at every world size, over a
+``grid`` too; grads consumed by ``OffloadedOptimizer.step_in_backward`` (their norms kept in
+float) are refused there.
 """
 
 from __future__ import annotations
@@ -99,10 +101,24 @@ def grad_norm(model_or_params: Params, norm_type: float = 2.0, *, grid: Any = No
     consumed = {id(p): _consumed(p, norm_type) for p in counted}
     kept = [n for n in consumed.values() if n is not None]
     grads = [_grad_source(p) for p in counted if consumed[id(p)] is None]
-    if float(norm_type) == 2.0 and not kept and _exact(params):
+    if float(norm_type) == 2.0 and _exact(params):
+        _refuse_kept(counted, consumed)
         wide = any(is_partitioned(p) and meta(p).exact.dtype == torch.float64 for p in params)
-        return exact_global_norm(grads, info, _count(params), torch.float64 if wide else torch.float32)
+        bound = _count(params) * (grid.tp_size if grid is not None else 1)  # every tp rank's pieces
+        return exact_global_norm(grads, info, bound, torch.float64 if wide else torch.float32)
     return global_norm(grads, info, float(norm_type), norms=kept)
+
+
+def _refuse_kept(counted: list, consumed: dict) -> None:
+    """Raise if a grad of a model in reproducible mode was consumed by a step during backward: its
+    kept norm is a float sum, not the fixed-point one."""
+    stepped = [p for p in counted if consumed[id(p)] is not None]
+    if stepped:
+        raise RuntimeError(f"clip_grad_norm_ / grad_norm: reproducible mode takes the grad norm in fixed "
+                           f"point, but the grads of {len(stepped)} parameters (the first: "
+                           f"{meta(stepped[0]).describe()}) were consumed by a step inside "
+                           f"OffloadedOptimizer.step_in_backward(), which keeps float norms only; call "
+                           f"backward outside step_in_backward() to take the norm or clip")
 
 
 def _exact(params: list) -> bool:
