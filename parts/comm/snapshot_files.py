@@ -10,6 +10,7 @@ memory that outlives the worker processes)::
         __<r>_0.distcp            DCP's file of each rank r of node g, and of the node whose buddy g is
         rank-<r>.pt               that rank's own values: RNG states and the caller's data position
     node-<g>/gen-<n>.saving/      a generation being written (never restored)
+    node-<g>/fetch-<n>/           during a restore across hosts: files of generation n node g lacked
     view-<r>/                     during a restore: links to the files rank r loads, wherever they are
 
 A generation becomes ``gen-<n>`` by one rename, after every rank wrote its files and the
@@ -36,7 +37,7 @@ from parts.comm.dcp_files import FORMAT, MANIFEST, METADATA
 PREFIX = "parts-snapshots-"
 OWNER = "owner.json"
 _GEN = re.compile(r"^gen-(\d{8})$")
-_STAGING = re.compile(r"^gen-\d{8}\.saving$")
+_STAGING = re.compile(r"^(gen-\d{8}\.saving|fetch-\d{8})$")
 
 
 def default_root() -> Path:
@@ -150,7 +151,7 @@ def commit(staging: Path, files: dict[str, dict], expected: Iterable[str], info:
 
 
 def clear_staging(node_dir: Path) -> None:
-    """Remove what unfinished saves left in ``node_dir``."""
+    """Remove what unfinished saves and restores left in ``node_dir``."""
     for child in _children(node_dir):
         if _STAGING.match(child.name):
             shutil.rmtree(child, ignore_errors=True)
@@ -182,10 +183,8 @@ def read_manifest(folder: Path) -> Optional[dict]:
     return manifest if ok else None
 
 
-def restorable(job_dir: Path) -> dict[int, dict]:
-    """Generation -> ``{"step", "world_size", "sources": {file: folder}}`` for every generation
-    whose files are each whole (present at their manifest's size) in some node's folder this
-    host sees; a node's own copy is listed first where there are several."""
+def _copies(job_dir: Path) -> dict[int, list[tuple[Path, dict]]]:
+    """Generation -> its committed copies this host sees (folder, manifest), in folder order."""
     found: dict[int, list[tuple[Path, dict]]] = {}
     for node_dir in _children(job_dir):
         for gen_dir in _children(node_dir) if node_dir.name.startswith("node-") else []:
@@ -193,11 +192,38 @@ def restorable(job_dir: Path) -> dict[int, dict]:
             manifest = read_manifest(gen_dir) if match else None
             if manifest is not None:
                 found.setdefault(int(match.group(1)), []).append((gen_dir, manifest))
+    return found
+
+
+def restorable(job_dir: Path) -> dict[int, dict]:
+    """Generation -> ``{"step", "world_size", "sources": {file: folder}}`` for every generation
+    whose files are each whole (present at their manifest's size) in some node's folder this
+    host sees."""
     out = {}
-    for generation, copies in found.items():
+    for generation, copies in _copies(job_dir).items():
         sources = _sources(copies)
         if sources is not None:
             out[generation] = {**copies[0][1]["snapshot"], "sources": sources}
+    return out
+
+
+def inventory(job_dir: Path) -> dict[int, dict]:
+    """Generation -> ``{"snapshot": its step and world, "names": every file of it, "whole":
+    {file: (folder, bytes)}}`` for the files whole in the folders this host sees (``.metadata``
+    and the manifest both from the first copy, or neither)."""
+    out = {}
+    for generation, copies in _copies(job_dir).items():
+        first, manifest = copies[0]
+        whole = {}
+        if _whole(first / METADATA, manifest["files"].get(METADATA)):
+            whole = {METADATA: (str(first), manifest["files"][METADATA]["bytes"]),
+                     MANIFEST: (str(first), os.stat(first / MANIFEST).st_size)}
+        for name, entry in manifest["files"].items():
+            where = next((folder for folder, _ in copies if _whole(folder / name, entry)), None)
+            if name != METADATA and where is not None:
+                whole[name] = (str(where), entry["bytes"])
+        out[generation] = {"snapshot": manifest["snapshot"], "names": sorted({*manifest["files"], MANIFEST}),
+                           "whole": whole}
     return out
 
 

@@ -7,6 +7,8 @@ every rank's list. Its files are linked into one folder per rank, wherever each 
 node's own copy, or its buddy's), and ``parts.comm.dcp.load`` reads them: the manifest's
 SHA-256 of every file read, and DCP's resharding when the world changed. A generation that
 fails there (a corrupted file) is refused on every rank alike, and the next older one tried.
+On hosts that do not share memory, ``snapshot_fetch`` lists the generations whole on some
+host and moves the files each node lacks before the load.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,13 +28,15 @@ from parts.comm import dcp
 from parts.comm import snapshot_files as files
 from parts.comm.group import GroupInfo
 from parts.comm.objects import all_gather_objects
+from parts.comm.snapshot_fetch import Fetch, Net
 
 
 @dataclass
 class Restored:
     """What ``Snapshots.restore`` loaded: its ``step`` and ``generation``; this rank's ``local``
     value and RNG states (``rng_restored``) where the world is the one that saved it;
-    ``seconds`` the restore took and ``disk_bytes`` this process read from storage meanwhile."""
+    ``seconds`` the restore took, ``disk_bytes`` this process read from storage meanwhile and
+    ``fetched_bytes`` it received from other hosts (snapshots over the network)."""
 
     step: int
     generation: int
@@ -40,6 +44,7 @@ class Restored:
     rng_restored: bool
     seconds: float
     disk_bytes: int
+    fetched_bytes: int = 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,20 +74,35 @@ def read_bytes() -> int:
         return 0
 
 
-def restore(state: dict[str, Any], job_dir: Path, info: GroupInfo) -> Optional[Restored]:
-    """Load the newest snapshot every rank can read into ``state``; None if there is none."""
+def restore(state: dict[str, Any], job_dir: Path, info: GroupInfo, net: Optional[Net] = None) -> Optional[Restored]:
+    """Load the newest snapshot every rank can read into ``state``; None if there is none.
+    With ``net`` (hosts that do not share memory), each node first receives the files it lacks."""
     began, read_before = time.perf_counter(), read_bytes()
+    fetch = Fetch(job_dir, info, net) if net is not None else None
+    order, entry_of = _candidates(job_dir, info, fetch)
+    restored = None
+    for generation in order:
+        found = _try(state, job_dir, info, generation, entry_of(state, generation))
+        if found is not None:
+            step, local, same_world = found
+            restored = Restored(step, generation, local, same_world, time.perf_counter() - began,
+                                read_bytes() - read_before, fetch.fetched_bytes if fetch else 0)
+            break
+    if fetch is not None:  # every rank loaded: a node's fetched files can go
+        all_gather_objects(None, info.group)
+        fetch.clear()
+    return restored
+
+
+def _candidates(job_dir: Path, info: GroupInfo, fetch: Optional[Fetch]) -> tuple[list[int], Callable]:
+    """The generations to try, newest first, and how to get one's entry (step, world, sources)."""
+    if fetch is not None:
+        return fetch.generations(), fetch.entry
     mine = files.restorable(job_dir)
     common = set(mine)
     for theirs in all_gather_objects(sorted(mine), info.group):
         common &= set(theirs)
-    for generation in sorted(common, reverse=True):
-        found = _try(state, job_dir, info, generation, mine[generation])
-        if found is not None:
-            step, local, same_world = found
-            return Restored(step, generation, local, same_world, time.perf_counter() - began,
-                            read_bytes() - read_before)
-    return None
+    return sorted(common, reverse=True), lambda state, generation: mine[generation]
 
 
 def _try(state: dict[str, Any], job_dir: Path, info: GroupInfo, generation: int,

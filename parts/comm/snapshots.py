@@ -12,7 +12,12 @@ with one rename. ``restore`` (``snapshot_restore``) loads the newest generation 
 file is whole in some node's folder, resharding when the world changed.
 
 Nodes are ``node_size`` consecutive ranks (default ``LOCAL_WORLD_SIZE``); node ``g``'s buddy
-is node ``(g + 1) % nodes``. Host memory holds at most two generations per node (the last
+is node ``(g + 1) % nodes``. Where every rank sees the folder group rank 0 made (one host's
+memory), a rank copies its files into the buddy node's folder; where some do not (hosts with
+memory of their own), each node's ranks share their own root, and a rank sends its files to its
+buddy rank (the same local rank on the buddy node) over a gloo group made for the copies
+(``snapshot_net``), which writes them into its node's folder; a restore moves the files a node
+lacks the same way (``snapshot_fetch``). Host memory holds at most two generations per node (the last
 committed everywhere and the one being written or just written, each with the buddy's
 files), and one host copy of the rank's state, reused from save to save.
 """
@@ -35,11 +40,13 @@ import torch.distributed.checkpoint as torch_dcp
 from parts.base.files import CheckpointError, file_digest
 from parts.comm import dcp_steps as steps
 from parts.comm import snapshot_files as files
+from parts.comm import snapshot_net
 from parts.comm.failure import Failure, attempt, failures_in
-from parts.comm.group import GroupArg, group_info
+from parts.comm.group import GroupArg, GroupInfo, group_info
 from parts.comm.host_copy import HostCopy
 from parts.comm.objects import all_gather_objects
 from parts.comm.shard_view import ShardView, settle
+from parts.comm.snapshot_fetch import Net
 from parts.comm.snapshot_restore import Restored, restore, rng_state
 from parts.comm.store_gather import StoreGather
 
@@ -49,7 +56,9 @@ class Snapshots:
     docstring). Collective: every rank of ``group`` makes it and calls each method.
 
     ``job`` names the folder (default: torchrun's ``TORCHELASTIC_RUN_ID``, the same in every
-    restart of the job; without it, one drawn per start). ``root`` defaults to ``/dev/shm``."""
+    restart of the job; without it, one drawn per start). ``root`` defaults to ``/dev/shm``; the
+    ranks of one node must see the same ``root`` folder, and nodes that do not see group rank 0's
+    send their copies over the network (``network`` is then True)."""
 
     def __init__(self, every: int, *, job: Optional[str] = None, root: Optional[os.PathLike] = None,
                  node_size: Optional[int] = None, group: GroupArg = None) -> None:
@@ -63,6 +72,9 @@ class Snapshots:
         self.save_seconds = 0.0  # time the save calls held the loop, in total
         self.thread_seconds = 0.0  # CPU time the background threads took, in total
         self._info = None
+        self._net: Optional[Net] = None
+        self.network = False  # nodes without a shared root: buddy copies and restores over the network
+        self.sent_bytes = 0  # bytes of buddy copies sent over the network, in total
         self._host = HostCopy()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
@@ -71,7 +83,8 @@ class Snapshots:
 
     # ------------------------------------------------------------ setup
     def start(self) -> "Snapshots":
-        """Agree on the job's folder and the next generation; claim the folder, reclaim dead jobs'."""
+        """Agree on the job's folder, the next generation and whether the nodes share a root;
+        claim the folder (on each host), reclaim dead jobs'."""
         if self._info is not None:
             return self
         info = group_info(self.group, "parts.comm.Snapshots")
@@ -84,24 +97,50 @@ class Snapshots:
         self.job_dir, self._token = files.job_folder(self.root, jobs[0][0]), jobs[0][1]
         self.node, self.nodes, self.node_ranks = info.rank // size, info.world_size // size, size
         self.leader = info.rank % size == 0
-        marker = self.job_dir / f"start-{self._token}"
-        if info.rank == 0:
-            agent = bool(os.environ.get("TORCHELASTIC_RUN_ID"))  # the agent outlives the workers
-            files.claim(self.job_dir, os.getppid() if agent else os.getpid(), replace_orphaned=agent)
-            self.reclaimed_bytes = files.reclaim(self.root, keep=self.job_dir)
-            marker.touch()
-        highest = all_gather_objects(self._highest_generation(), info.group)  # rank 0 made the folder
-        seen = all_gather_objects(marker.is_file(), info.group)
-        if info.rank == 0:
-            marker.unlink()
-        _check_shared(seen, self.job_dir)
+        self.network = self._claim(info)
+        highest = all_gather_objects(self._highest_generation(), info.group)
         if self.leader:
             files.node_folder(self.job_dir, self.node).mkdir(parents=True, exist_ok=True)
             files.clear_staging(files.node_folder(self.job_dir, self.node))
         self._next = max(highest) + 1
+        self._net = Net(snapshot_net.copy_group(info), size, info.global_ranks()) if self.network else None
         self._info = info
         all_gather_objects(None, info.group)  # no rank saves before every leader cleared its staging
         return self
+
+    def _claim(self, info: GroupInfo) -> bool:
+        """Make and claim the job's folder: rank 0's, seen by every rank (one host's memory:
+        False), or where some ranks do not see it, each node leader's on its own host (True);
+        every rank must see its node leader's folder."""
+        marker = self.job_dir / f"start-{self._token}"
+        if info.rank == 0:
+            self._claim_folder()
+            marker.touch()
+        all_gather_objects(None, info.group)  # rank 0 made its marker before any rank looks
+        seen = all_gather_objects(marker.is_file(), info.group)
+        if all(seen):
+            if info.rank == 0:
+                marker.unlink()
+            return False
+        own = self.job_dir / f"start-{self._token}-node-{self.node}"
+        if self.leader:
+            if not seen[info.rank]:
+                self._claim_folder()
+            own.touch()
+        all_gather_objects(None, info.group)  # every leader made its marker before any rank looks
+        seen_own = all_gather_objects(own.is_file(), info.group)
+        if self.leader:
+            own.unlink()
+        if info.rank == 0:
+            marker.unlink()
+        _check_shared(seen_own, self.job_dir, self.node_ranks)
+        return True
+
+    def _claim_folder(self) -> None:
+        """Claim the job's folder on this host for the process that outlives the workers; reclaim dead jobs'."""
+        agent = bool(os.environ.get("TORCHELASTIC_RUN_ID"))  # the agent outlives the workers
+        files.claim(self.job_dir, os.getppid() if agent else os.getpid(), replace_orphaned=agent and not self.job)
+        self.reclaimed_bytes = files.reclaim(self.root, keep=self.job_dir)
 
     def _highest_generation(self) -> int:
         """The highest generation number in the job's folders this rank sees (0 if none)."""
@@ -180,7 +219,7 @@ class Snapshots:
         """Load the newest snapshot of this job into ``state``; None if there is none (see
         ``parts.comm.snapshot_restore``). RNG states come back where the world is the same."""
         self.start()
-        restored = restore(state, self.job_dir, self._info)
+        restored = restore(state, self.job_dir, self._info, self._net)
         if restored is not None:
             self._committed = restored.generation
         return restored
@@ -248,9 +287,15 @@ class _Job:
         side = files.side_name(self.info.rank)
         torch.save(self.side, self.staging / side)
         digests = {**digests, side: file_digest(self.staging / side)}
-        if self.owner.nodes > 1:
-            buddy = (self.owner.node + 1) % self.owner.nodes
-            files.copy_files(self.staging, digests, files.begin(self.owner.job_dir, buddy, self.generation))
+        owner = self.owner
+        if owner._net is not None:  # the buddy rank: this local rank of the next node
+            ranks, world = owner._net.ranks, self.info.world_size
+            owner.sent_bytes += snapshot_net.exchange(
+                owner._net.group, ranks[(self.info.rank + owner.node_ranks) % world],
+                ranks[(self.info.rank - owner.node_ranks) % world], sorted(digests), self.staging, self.staging)
+        elif owner.nodes > 1:
+            buddy = (owner.node + 1) % owner.nodes
+            files.copy_files(self.staging, digests, files.begin(owner.job_dir, buddy, self.generation))
         return results, digests
 
     def _decide(self, every: list) -> Any:
@@ -298,11 +343,10 @@ def _signature(state: Any) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
-def _check_shared(every: list, job_dir: Path) -> None:
-    """Raise on every rank unless each one sees the folder group rank 0 made (one host's memory)."""
+def _check_shared(every: list, job_dir: Path, node_size: int) -> None:
+    """Raise on every rank unless each one sees the folder its node's leader made."""
     blind = [rank for rank, seen in enumerate(every) if not seen]
     if blind:
-        raise ValueError(f"parts.comm.Snapshots: group rank(s) {blind} do not see {job_dir}, which group rank 0 "
-                         f"made: every rank must see the same root folder (the ranks of one host, or of "
-                         f"nodes emulated on one host); snapshots across hosts with their own memory are "
-                         f"not supported")
+        raise ValueError(f"parts.comm.Snapshots: group rank(s) {blind} do not see {job_dir}, which their node's "
+                         f"first rank made: the ranks of one node ({node_size} consecutive ranks: node_size, or "
+                         f"LOCAL_WORLD_SIZE) must see the same root folder")

@@ -1,0 +1,137 @@
+"""parts.comm.Snapshots on nodes that do not share a root folder (hosts with memory of their own,
+emulated by one root per node): the buddy copies travel over the network, a lost node's
+snapshot comes back bitwise from the copies other nodes hold (at the same world, and resharded
+onto a smaller one), and a torn or damaged copy is never restored (the previous generation is)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run
+from test_dcp_async import SLOW, _build, _step
+from test_snapshots import _current, _full, _restore_into_fresh, _state
+
+
+def _root(base: str, node: int) -> str:
+    return os.path.join(base, f"node{node}")
+
+
+def _left(base: str) -> list[str]:
+    return sorted(str(p) for p in Path(base).glob("node*/parts-snapshots-*"))
+
+
+def _snaps(base: str, job: str, node_size: int):
+    import torch.distributed as dist
+    from parts.comm import Snapshots
+    return Snapshots(every=1, job=job, root=_root(base, dist.get_rank() // node_size), node_size=node_size)
+
+
+def _lose(base: str, node: int, job: str, damage: str) -> None:
+    """Rank 0: remove node ``node``'s root; ``damage`` generation 2 of group rank 1's file where left."""
+    shutil.rmtree(_root(base, node))
+    victims = Path(base).glob(f"node*/parts-snapshots-{job}/node-*/gen-00000002/__1_0.distcp")
+    for victim in sorted(victims) if damage else []:
+        if damage == "truncated":
+            os.truncate(victim, victim.stat().st_size // 2)
+        else:  # the same size: only the checksum tells
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))
+
+
+def save_lose_restore(base: str, job: str, node_size: int, damage: str) -> dict:
+    """Two snapshots over the network; node 1's root lost (and generation 2 damaged); a restore."""
+    import torch.distributed as dist
+    from parts.comm import all_gather_objects
+    model, opt = _build()
+    snaps = _snaps(base, job, node_size).start()
+    _step(model, opt, 1)
+    snaps.save(_state(model, opt), step=1, local={"at": dist.get_rank()})
+    first = _current(model, opt)
+    _step(model, opt, 2)
+    snaps.save(_state(model, opt), step=2, local={"at": dist.get_rank()})
+    second = _current(model, opt)
+    snaps.wait()
+    if dist.get_rank() == 0:
+        _lose(base, 1, job, damage)
+    all_gather_objects(None)
+    again = _snaps(base, job, node_size)
+    restored, loaded, _ = _restore_into_fresh(again)
+    expected = first if damage else second
+    out = {"network": snaps.network and again.network, "sent": snaps.sent_bytes > 0, "step": restored.step,
+           "local": restored.local, "same": len(loaded) == len(expected) and
+           all(torch.equal(a, b) for a, b in zip(loaded, expected)),
+           "fetched": restored.fetched_bytes > 0}
+    again.close()
+    all_gather_objects(None)
+    return {**out, "left": _left(base)}
+
+
+@pytest.mark.parametrize("world,node_size", [(2, 1), (3, 1)])
+def test_a_lost_nodes_snapshot_comes_back_bitwise_from_copies_sent_over_the_network(tmp_path, world: int,
+                                                                                    node_size: int) -> None:
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    got = run(world, save_lose_restore, str(tmp_path), job, node_size, "", timeout=SLOW)
+    for rank, out in enumerate(got):
+        fetched = out.pop("fetched")
+        assert out == {"network": True, "sent": True, "step": 2, "local": {"at": rank}, "same": True,
+                       "left": []}, (rank, out)
+        assert fetched or rank // node_size != 1, rank  # the lost node's ranks receive their files
+
+
+@pytest.mark.parametrize("world,damage", [(2, "truncated"), (3, "corrupted")])
+def test_a_torn_or_damaged_network_copy_is_refused_and_the_previous_generation_restored(
+        tmp_path, world: int, damage: str) -> None:
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    for rank, out in enumerate(run(world, save_lose_restore, str(tmp_path), job, 1, damage, timeout=SLOW)):
+        out.pop("fetched")
+        assert out == {"network": True, "sent": True, "step": 1, "local": {"at": rank}, "same": True,
+                       "left": []}, (rank, out)
+
+
+def save_on_two_nodes(base: str, job: str) -> dict:
+    """World 4 as two nodes of two ranks with roots of their own: one snapshot, node 1's root lost."""
+    import torch.distributed as dist
+    from parts.comm import all_gather_objects
+    model, opt = _build()
+    snaps = _snaps(base, job, 2).start()
+    _step(model, opt, 1)
+    snaps.save(_state(model, opt), step=1)
+    full = _full(model)
+    snaps.wait()
+    if dist.get_rank() == 0:
+        shutil.rmtree(_root(base, 1))
+    all_gather_objects(None)
+    return {"full": full, "network": snaps.network}
+
+
+def restore_on(base: str, job: str, node_size: int) -> dict:
+    """A restore resharded onto this world (node ``rank // node_size``'s root, empty past node 0)."""
+    from parts.comm import all_gather_objects
+    snaps = _snaps(base, job, node_size)
+    restored, _, model = _restore_into_fresh(snaps)
+    full = _full(model)
+    snaps.close()
+    all_gather_objects(None)
+    return {"step": restored.step, "rng_restored": restored.rng_restored, "network": snaps.network,
+            "full": full, "left": _left(base)}
+
+
+@pytest.mark.parametrize("node_size", [2, 1])
+def test_a_lost_node_is_restored_resharded_from_4_ranks_to_2_from_the_copies_on_the_other_node(
+        tmp_path, node_size: int) -> None:
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    saved = run(4, save_on_two_nodes, str(tmp_path), job, timeout=SLOW)
+    assert all(s["network"] for s in saved)
+    for rank, got in enumerate(run(2, restore_on, str(tmp_path), job, node_size, timeout=SLOW)):
+        full = got.pop("full")
+        assert got == {"step": 1, "rng_restored": False, "network": node_size == 1, "left": []}, (rank, got)
+        if rank == 0:  # the full state dict gathers on rank 0
+            assert sorted(full) == sorted(saved[0]["full"])
+            assert all(torch.equal(full[k], saved[0]["full"][k]) for k in full)
