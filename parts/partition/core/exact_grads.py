@@ -2,7 +2,7 @@
 
 Each rank's full grad of a parameter is its unit's (its micro-batch's). The rank quantizes it
 at the exponent its own largest magnitude gives (``parts.base.fixed_point``) and sends it in one
-int64 reduce-scatter with a few tags per parameter (``[1, e, e*e, nonfinite]``, summed like the
+int64 reduce-scatter with one tag word per parameter (``parts.base.unit_tags``, summed like the
 data): from their sums every rank sees whether all units of a parameter had one exponent,
 nearly always the case since exponents are multiples of 16 bits; then the int64 sum it received
 is exact. Parameters whose units had several exponents are reduced again, one reduce-scatter
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from parts.base.fixed_point import GRID, largest, rounded, unit_exponent
+from parts.base.unit_tags import tag, tag_words, untag
 from parts.comm import GroupArg, max_everywhere, reduce_scatter_many
 from parts.partition.core import exact
 from parts.partition.core.exact import NONE
@@ -77,12 +78,13 @@ def reduce_scatter_exact(params: Iterable[nn.Parameter], group: GroupArg = None,
     del sends
 
     def finish() -> None:
-        mixed = []
-        for i, (units, first, second, bad) in enumerate(tag_sums.view(-1, 4).tolist()):
+        mixed, per, sums = [], tag_words(info.world_size), tag_sums.tolist()
+        for i in range(len(records)):
+            units, bad, one = untag(sums[i * per:(i + 1) * per], info.world_size)
             if bad:
                 states[i].nonfinite = True
-            elif units and units * second == first * first:  # every unit at one exponent: the sum is exact
-                exact.add(states[i], first // units, recvs[i])
+            elif one is not None:  # every unit at one exponent: the sum is exact
+                exact.add(states[i], one, recvs[i])
             elif units:
                 mixed.append(i)
         if mixed:  # units at several exponents (the same list on every rank): one sum per exponent
@@ -100,11 +102,10 @@ def reduce_scatter_exact(params: Iterable[nn.Parameter], group: GroupArg = None,
 
 
 def _tags(local: list, world: int, device: torch.device) -> torch.Tensor:
-    """``world`` copies (one per destination) of ``[1, e, e * e, nonfinite]`` per parameter (zeros for
-    an all-zero grad): summed over ranks they say whether every unit has one exponent
-    (``units * sum(e*e) == sum(e) ** 2``) and which."""
-    rows = [[1, e, e * e, 0] if e is not None else [0, 0, 0, int(bad)] for e, bad in local]
-    return torch.tensor(rows, dtype=torch.int64).reshape(1, -1).expand(world, -1).contiguous().to(device)
+    """``world`` copies (one per destination) of each parameter's tag words (``unit_tags.tag``):
+    summed over ranks they say whether every unit has one exponent and which."""
+    words = [w for e, bad in local for w in tag(e, bad, world)]
+    return torch.tensor(words, dtype=torch.int64).reshape(1, -1).expand(world, -1).contiguous().to(device)
 
 
 def _by_exponent(grads: list, local: list, states: list, records: list, info: object,
