@@ -25,6 +25,10 @@ included), it differs from transformers' ``Trainer`` only where a sharded model 
   a checkpoint (as with DeepSpeed ZeRO-3 checkpoints);
 - ``save_model`` gathers the current full weights to rank 0 (``full_state_dict``) and writes
   them with ``save_pretrained`` (``model.safetensors``), readable by ``from_pretrained``.
+- with ``snapshots=parts.comm.Snapshots(K)``, every K steps the run's state goes into host
+  memory (``parts.integrations.trainer_snapshots``), and ``train()`` in the workers torchrun's
+  agent restarts (the same command line) continues from the newest snapshot, mid-epoch, bitwise
+  as if it had not stopped; a finished ``train()`` removes the job's snapshots.
 
 ``Seq2SeqTrainer`` is the same over ``transformers.Seq2SeqTrainer``: ``predict_with_generate``
 evaluates and predicts inside ``parts.partition.generating(model)`` (the model gathered once
@@ -48,9 +52,11 @@ from torch import nn
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
+from parts.comm import Snapshots
 from parts.integrations.accelerate import adopt, attach_for, attach_with, is_parts_model
 from parts.integrations.checkpoint import (load_sharded_model, load_sharded_optimizer, save_sharded_model,
                                            save_sharded_optimizer)
+from parts.integrations.trainer_snapshots import TrainerSnapshots
 from parts.partition import clip_grad_norm_, full_state_dict, generating, is_partitioned, use_shards
 from parts.partition import grad_norm as global_grad_norm
 
@@ -68,17 +74,50 @@ def _torch_optimizer(optimizer: Any) -> Any:
 class PartsTrainerMixin:
     """What a ``transformers.Trainer`` needs to train a parts model; see the module docstring."""
 
-    def __init__(self, model: Optional[nn.Module] = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Optional[nn.Module] = None, args: Any = None, *rest: Any,
+                 snapshots: Optional[Snapshots] = None, **kwargs: Any) -> None:
         if not is_parts_model(model):
             raise TypeError(f"parts Trainer: model= takes a module with sharded parameters (built under "
                             f"parts.partition.partitioned() or sharded by partition_module), got "
                             f"{type(model).__name__}; for a plain model use transformers.Trainer")
         self._parts_checkpointing = False
+        self._parts_snapshots = TrainerSnapshots(snapshots) if snapshots is not None else None
         args = args if args is not None else transformers.TrainingArguments(output_dir="tmp_trainer")
         # attached before Trainer moves the model to its device: the coordinator owns placement
         attach_with(model, args.mixed_precision)
         super().__init__(model, args, *rest, **kwargs)
         attach_for(self.accelerator, self.model)  # the accelerator agrees (ACCELERATE_MIXED_PRECISION)
+
+    def train(self, resume_from_checkpoint: Any = None, *rest: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``; with ``snapshots=``, from the job's newest snapshot where there is one
+        (before ``resume_from_checkpoint``), and the job's snapshots removed once it finishes."""
+        snaps = self._parts_snapshots
+        if snaps is None:
+            return super().train(resume_from_checkpoint, *rest, **kwargs)
+        ours = self.optimizer is None
+        folder = snaps.restore(self, _torch_optimizer(self.create_optimizer()))
+        if folder is None and ours:
+            self.optimizer = None  # built anew where Trainer builds it
+        finished = False
+        try:
+            output = super().train(folder or resume_from_checkpoint, *rest, **kwargs)
+            finished = True
+            return output
+        finally:
+            snaps.end(finished)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """Trainer's logging, evaluation and checkpoint of a step; then a snapshot where one is due."""
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        if self._parts_snapshots is not None:
+            self._parts_snapshots.save_if_due(self, _torch_optimizer(self.optimizer))
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        """The RNG states of the checkpoint, or of the snapshot resumed from."""
+        if self._parts_snapshots is not None and self._parts_snapshots.resumes_from(checkpoint):
+            self._parts_snapshots.load_rng()
+            return
+        super()._load_rng_state(checkpoint)
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator, with parts' ``prepare_model`` (no DDP wrap) and ``clip_grad_norm_``."""
@@ -138,13 +177,19 @@ class PartsTrainerMixin:
             reissue_pt_warnings(caught)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
-        """The checkpoint's sharded weights, at this world size."""
+        """The checkpoint's sharded weights, at this world size (a snapshot's are restored already)."""
+        if self._parts_snapshots is not None and self._parts_snapshots.resumes_from(resume_from_checkpoint):
+            return
         load_sharded_model(model if model is not None else self.model,
                            os.path.join(resume_from_checkpoint, MODEL_DIR))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """The checkpoint's optimizer state (resharded to this world size) and scheduler."""
         if checkpoint is None:
+            return
+        if self._parts_snapshots is not None and self._parts_snapshots.resumes_from(checkpoint):
+            # the optimizer's state is restored already; its learning rates follow the scheduler's making
+            self._parts_snapshots.load_groups_and_scheduler(_torch_optimizer(self.optimizer), self.lr_scheduler)
             return
         path = os.path.join(checkpoint, OPTIMIZER_DIR)
         if os.path.isdir(path):  # save_only_model checkpoints hold none
