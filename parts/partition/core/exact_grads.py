@@ -48,8 +48,11 @@ def _send(grad: torch.Tensor, own: Optional[int], exponent: int, m: ParamMeta, w
     if that is this unit's, else zeros (padding zeroed)."""
     send = alloc(world * m.layout.shard_numel, torch.int64, m.device)
     if own is not None and own == exponent:
-        for part, out in zip(grad.split(CHUNK), send[:m.numel].split(CHUNK)):  # in cache-sized pieces
-            out.copy_(rounded(part, exponent))  # integers below 2**50: exact in int64
+        if m.numel <= CHUNK:
+            send[:m.numel].copy_(rounded(grad, exponent))  # integers below 2**50: exact in int64
+        else:
+            for part, out in zip(grad.split(CHUNK), send[:m.numel].split(CHUNK)):  # in cache-sized pieces
+                out.copy_(rounded(part, exponent))
         send[m.numel:].zero_()
     else:
         send.zero_()
