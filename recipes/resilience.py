@@ -36,11 +36,18 @@ SNAPSHOT_EVERY = 25
 
 
 def add_flags(add: Any) -> None:
-    """``--snapshot-every [K]`` and ``--heartbeat`` (``add``: the parser's ``add_argument``)."""
+    """``--snapshot-every [K]``, ``--snapshot-root``, ``--snapshot-job`` and ``--heartbeat``
+    (``add``: the parser's ``add_argument``)."""
     add("--snapshot-every", type=int, nargs="?", const=SNAPSHOT_EVERY, default=0, metavar="K",
         help=f"every K steps a snapshot of the training state in host memory (/dev/shm); the same command "
              f"line rerun by torchrun's agent after a failure continues from the newest one "
              f"(the flag alone: K={SNAPSHOT_EVERY}; 0: off)")
+    add("--snapshot-root", default=None, metavar="DIR",
+        help="the folder of the snapshots (default /dev/shm); the ranks of one node must see the same one, "
+             "and nodes that do not see node 0's send their buddy copies over the network")
+    add("--snapshot-job", default=None, metavar="NAME",
+        help="the snapshots' job name (default: torchrun's run id); a relaunch with the same name and "
+             "root continues from them")
     add("--heartbeat", action="store_true",
         help="name a dead or hung rank within seconds and end every rank (parts.comm.Heartbeat); a stopped "
              "rank on this host is sent SIGKILL, so that torchrun's agent restarts at once")
@@ -95,7 +102,9 @@ def inject(step: int, rank: int) -> None:
 
 def snapshots(args: argparse.Namespace) -> Optional[Snapshots]:
     """The run's ``Snapshots`` with ``--snapshot-every``, else None."""
-    return Snapshots(args.snapshot_every).start() if args.snapshot_every else None
+    if not args.snapshot_every:
+        return None
+    return Snapshots(args.snapshot_every, job=args.snapshot_job, root=args.snapshot_root).start()
 
 
 def restore(snaps: Optional[Snapshots], state: dict, generator: torch.Generator) -> Optional[int]:
@@ -108,7 +117,8 @@ def restore(snaps: Optional[Snapshots], state: dict, generator: torch.Generator)
     if restored.local is not None:
         generator.set_state(restored.local["data"])
     note("restored", step=restored.step, seconds=restored.seconds, disk_bytes=restored.disk_bytes,
-         generation=restored.generation, folder=str(snaps.job_dir))
+         fetched_bytes=restored.fetched_bytes, network=snaps.network, generation=restored.generation,
+         folder=str(snaps.job_dir))
     return restored.step
 
 

@@ -337,7 +337,8 @@ def main() -> None:
     sample = generate(model, args)
     save(args.out, model, optimizer, schedule, end)
     if snaps is not None:
-        resilience.note("snapshots", saves=snaps.saves, seconds=snaps.save_seconds, thread_seconds=snaps.thread_seconds)
+        resilience.note("snapshots", saves=snaps.saves, seconds=snaps.save_seconds, thread_seconds=snaps.thread_seconds,
+                        sent_bytes=snaps.sent_bytes, network=snaps.network)
         snaps.close()  # a clean finish: the job's snapshots leave host memory
     summarize(args, train_stats, optimizer, train_curve, val_curve, elapsed, sample, world)
     del model, coordinator, optimizer, schedule
