@@ -1,6 +1,7 @@
 """Run by test_heartbeat.py as every rank of a job: a loop of all-reduces under ``Heartbeat()``
-(default knobs), in which rank 1 misbehaves at step 20 (``sigkill`` or ``sigstop``). A rank
-that raises ``PeerFailure`` prints ``PEER FAILURE <json>`` before the error ends it."""
+(default knobs; ``keep`` as the second argument: ``end_stopped=False``), in which rank 1
+misbehaves at step 20 (``sigkill`` or ``sigstop``). A rank that raises ``PeerFailure`` prints
+``PEER FAILURE <json>`` before the error ends it."""
 
 import json
 import os
@@ -25,7 +26,7 @@ kind = sys.argv[1]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 try:
-    with Heartbeat() as beat:
+    with Heartbeat(end_stopped=sys.argv[2:] != ["keep"]) as beat:
         for step in range(10_000):
             beat.at_step(step)
             if rank == 1 and step == 20:

@@ -1,12 +1,14 @@
 """parts.comm.Heartbeat: when one rank is SIGKILLed, SIGSTOPped or raises, every other rank
-raises PeerFailure within 10 s naming that rank, its step and the operation it was in; a
-rank in a long step is never reported. The harness ranks run Python between steps (no
+raises PeerFailure within 10 s naming that rank, its step and the operation it was in (a rank
+of the same host seen stopped in /proc: within 3 s, and it is sent SIGKILL); a rank in a long
+step is never reported. The harness ranks run Python between steps (no
 collective: a gloo collective waiting for a stopped peer cannot be interrupted; the torchrun
 test covers that case through the exit). A SIGKILL is tested on workers started by hand: the
 harness, like torchrun's agent, ends the other ranks of a job as soon as one dies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +23,7 @@ from harness import RankFailure, run
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_S = 10.0
+STOPPED_LIMIT_S = 3.0  # a stopped rank of this host: two missed beats (1 s) and the next look
 
 
 def forward_pass(seconds: float) -> None:
@@ -56,7 +59,8 @@ def watch(kind: str, victim: int, folder: str) -> None:
         outcome = {"raised": "PeerFailure", "rank": failure.rank, "step": failure.step, "op": failure.op,
                    "message": str(failure), "after_s": time.time() - told["time"]}
         if kind == "sigstop" and rank == min(set(range(dist.get_world_size())) - {victim}):
-            os.kill(told["pid"], signal.SIGKILL)  # the stopped victim never answers the harness
+            with contextlib.suppress(ProcessLookupError):  # ended already by the heartbeat that named it
+                os.kill(told["pid"], signal.SIGKILL)
     Path(folder, f"rank{rank}.json").write_text(json.dumps(outcome))
 
 
@@ -76,8 +80,26 @@ def test_every_other_rank_raises_within_10_s_naming_the_failed_rank_its_step_and
         assert seen["after_s"] < LIMIT_S, (rank, seen)
         if kind == "exception":
             assert "raised ValueError: the victim raised on purpose" in seen["message"], seen
-        else:
-            assert "sent no heartbeat for" in seen["message"], seen
+        else:  # seen stopped in /proc after two missed beats, not after the 5 s timeout
+            assert "is stopped (SIGSTOP) and sent no heartbeat for" in seen["message"], seen
+            assert seen["after_s"] < STOPPED_LIMIT_S, (rank, seen)
+
+
+def test_process_state_tells_a_stopped_process_and_a_gone_one() -> None:
+    from parts.comm.heartbeat_report import node_id, process_state
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_state(child.pid) in ("R", "S")
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(child.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(child.pid) == "T"
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) == "gone"
+    assert node_id() and node_id() == node_id()
 
 
 def slow_step(seconds: float) -> dict:
@@ -138,13 +160,17 @@ def test_a_killed_rank_is_named_by_every_other_rank_within_10_s_when_no_agent_se
 
 
 @pytest.mark.slow
-def test_under_torchrun_a_stopped_rank_is_named_within_10_s_and_the_job_ends_non_zero(tmp_path: Path) -> None:
+@pytest.mark.parametrize("end_stopped", [True, False])
+def test_under_torchrun_a_stopped_rank_is_named_within_10_s_and_the_job_ends_non_zero(tmp_path: Path,
+                                                                                     end_stopped: bool) -> None:
     """The others wait in an all-reduce that gloo cannot abort (plain torch waits there for the
-    process group's 30-minute timeout): they print the failure and exit 1 (the first to exit
-    may end the job: the agent then stops the others), and the agent ends the job."""
+    process group's 30-minute timeout). With ``end_stopped`` (the default) the heartbeat that
+    names the stopped rank ends it, the all-reduce fails and every rank raises; without, they
+    print the failure and exit 1 (the first to exit may end the job: the agent then stops the
+    others), and the agent ends the job."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-               str(JOB), "sigstop"]
+               str(JOB), "sigstop", "end" if end_stopped else "keep"]
     job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = _lines(job)
     assert job.wait(timeout=240) != 0, lines[-40:]
@@ -154,4 +180,9 @@ def test_under_torchrun_a_stopped_rank_is_named_within_10_s_and_the_job_ends_non
         assert seen - stopped < LIMIT_S, (rank, seen - stopped)
         named = next(line for t, line in lines if line.startswith(f"parts.comm.Heartbeat on rank {rank}: rank 1"))
         assert "sent no heartbeat for" in named and "its last report: step 20, in misbehave" in named, named
-    assert any("still running" in line and "exiting with 1" in line for _, line in lines), lines[-40:]
+        assert "is stopped (SIGSTOP)" in named and seen - stopped < STOPPED_LIMIT_S, (named, seen - stopped)
+    if end_stopped:  # the all-reduce failed once rank 1 ended: each rank raised PeerFailure naming it
+        reports = [json.loads(line.split("PEER FAILURE ")[1]) for _, line in lines if "PEER FAILURE" in line]
+        assert sorted((r["rank"], r["failed"]) for r in reports) == [(0, 1), (2, 1)], lines[-40:]
+    else:
+        assert any("still running" in line and "exiting with 1" in line for _, line in lines), lines[-40:]

@@ -9,7 +9,14 @@ records of its ring neighbours (``span`` ranks each side: every rank is watched 
 others, and the store serves ``2 * span + 2`` small reads per rank and beat whatever the world
 size). A neighbour whose sequence number has not moved for ``timeout`` seconds is stale: a
 SIGKILLed process and a SIGSTOPped one (its threads stop with it) both stop beating, while a
-rank in a long step still beats, because the thread runs beside its main thread. A rank that
+rank in a long step still beats, because the thread runs beside its main thread. A neighbour
+in this process's namespace (the same host; ``node_id``) that missed two beats is looked up in
+``/proc``: stopped (state ``T``) or dead, it is failed at once, without waiting for ``timeout``
+(a healthy process is never in either state, however long its step), and a stopped one is sent
+SIGKILL (``end_stopped``): a stopped process answers no signal but SIGKILL, so torchrun's agent
+would wait 30 s for it to end before restarting the group. A stopped rank on another host is
+failed after ``timeout`` and is not signalled (no process can signal another host's); its own
+agent ends it when the rendezvous restarts, 30 s after its SIGTERM. A rank that
 raises out of the ``with`` block posts the error at once. The rank that sees a failure first
 posts it as the job's verdict, which every rank reads at its next beat.
 
@@ -19,13 +26,16 @@ peer is gone is turned into it too); a main thread that cannot be interrupted (b
 collective that waits for the stopped rank: gloo's cannot be aborted) ends the process with
 ``exit_code`` ``exit_after`` seconds later (``exit_after=None`` leaves that to the caller).
 With the defaults a failure is raised about ``timeout + 2 * interval`` seconds after it
-(6 s) and every rank has exited about ``exit_after`` seconds later.
+(6 s; on one host a stopped or dead rank within about ``3 * interval``, 1.5 s) and every rank
+has exited about ``exit_after`` seconds later.
 """
 
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -40,7 +50,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from parts._compat import default_store
 from parts.comm.group import GroupArg, group_info
 from parts.comm.heartbeat_report import (PeerFailure, Record, from_verdict, is_comm_error, main_thread_op,
-                                         new_record, raised, raised_at, stale, verdict_text)
+                                         new_record, process_state, raised, raised_at, stale, stopped,
+                                         verdict_text)
 from parts.comm.objects import all_gather_objects, broadcast_object
 
 
@@ -49,11 +60,12 @@ class Heartbeat:
     docstring). Collective: every rank of ``group`` starts it (``with Heartbeat(): ...``)."""
 
     def __init__(self, group: GroupArg = None, *, interval: float = 0.5, timeout: float = 5.0,
-                 exit_after: Optional[float] = 2.0, exit_code: int = 1, span: int = 2) -> None:
+                 exit_after: Optional[float] = 2.0, exit_code: int = 1, span: int = 2,
+                 end_stopped: bool = True) -> None:
         if not 0 < interval < timeout:
             raise ValueError(f"Heartbeat: interval ({interval}) must be positive and below timeout ({timeout})")
         self.group, self.interval, self.timeout, self.span = group, interval, timeout, span
-        self.exit_after, self.exit_code = exit_after, exit_code
+        self.exit_after, self.exit_code, self.end_stopped = exit_after, exit_code, end_stopped
         self._failure: Optional[PeerFailure] = None
         self._failed, self._stopping = threading.Event(), threading.Event()
         self._step: Optional[int] = None
@@ -189,7 +201,26 @@ class Heartbeat:
                 seen[rank] = (record.seq, now)
             elif now - last[1] > self.timeout:
                 return stale(record, now - last[1])
+            elif now - last[1] > 2 * self.interval and self._sees(record):
+                failure = self._stopped_or_dead(record, now - last[1])
+                if failure is not None:
+                    return failure
         return None
+
+    def _sees(self, record: Record) -> bool:
+        """True when ``record``'s pid is a process of this namespace (the same host)."""
+        return bool(record.node) and record.node == self._record.node and record.pid > 0
+
+    def _stopped_or_dead(self, record: Record, age: float) -> Optional[PeerFailure]:
+        """The failure of a rank of this host whose process is stopped (sent SIGKILL with
+        ``end_stopped``) or dead; None while it runs (a slow step: the thread was held up)."""
+        state = process_state(record.pid)
+        if state not in ("T", "Z", "gone"):
+            return None
+        if state == "T" and self.end_stopped:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(record.pid, signal.SIGKILL)
+        return stopped(record, age, state)
 
     def _fail(self, failure: PeerFailure) -> None:
         """Post the verdict (the first one posted wins), tell the main thread, and end the process

@@ -1,8 +1,9 @@
 """What a rank's heartbeat says about it, and the error that names a failed rank.
 
 A heartbeat record is a small JSON object a rank posts on the store: a sequence number that
-grows with each beat, the step it is at, the operation its main thread is in, its pid and
-host, and its state (``alive``, ``failed`` with the error it raised, ``stopped`` once it
+grows with each beat, the step it is at, the operation its main thread is in, its pid, host
+and process namespace (``node_id``: ranks with the same one can see each other's processes),
+and its state (``alive``, ``failed`` with the error it raised, ``stopped`` once it
 ended cleanly). The operation is read from the main thread's Python stack
 (``sys._current_frames``): its innermost frame and, where that frame is in torch or parts,
 the caller outside them (``all_reduce (distributed_c10d.py:3252) from train.py:41``), so
@@ -99,6 +100,7 @@ class Record:
     error: str = ""
     pid: int = 0
     host: str = ""
+    node: str = ""
 
     def dumps(self) -> str:
         """The record as the store holds it."""
@@ -119,14 +121,46 @@ class Record:
         return f"{step}, in {self.op or 'an unknown operation'}"
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def node_id() -> str:
+    """Where this process's pids mean the same processes: host, boot and pid namespace ("" without /proc)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}/{_read('/proc/sys/kernel/random/boot_id')}/{namespace}"
+
+
+def process_state(pid: int) -> str:
+    """The state of process ``pid`` as ``/proc`` gives it (``T``: stopped by a signal, ``Z``: dead),
+    ``gone`` where it has no entry."""
+    stat = _read(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[1].split()[0] if ")" in stat else "gone"
+
+
 def new_record(rank: int) -> Record:
     """This process's first record."""
-    return Record(rank=rank, pid=os.getpid(), host=socket.gethostname())
+    return Record(rank=rank, pid=os.getpid(), host=socket.gethostname(), node=node_id())
 
 
 def stale(record: Record, age: float) -> PeerFailure:
     """The error naming a rank that has not beaten for ``age`` seconds."""
     reason = f"sent no heartbeat for {age:.1f} s (killed, stopped or hung)"
+    return PeerFailure(f"{record.who()} {reason}; its last report: {record.at()}",
+                       rank=record.rank, step=record.step, op=record.op, reason=reason)
+
+
+def stopped(record: Record, age: float, state: str) -> PeerFailure:
+    """The error naming a rank whose process this one sees stopped (``T``) or dead."""
+    how = "is stopped (SIGSTOP)" if state == "T" else "is dead"
+    reason = f"{how} and sent no heartbeat for {age:.1f} s"
     return PeerFailure(f"{record.who()} {reason}; its last report: {record.at()}",
                        rank=record.rank, step=record.step, op=record.op, reason=reason)
 
