@@ -135,3 +135,34 @@ def test_a_lost_node_is_restored_resharded_from_4_ranks_to_2_from_the_copies_on_
         if rank == 0:  # the full state dict gathers on rank 0
             assert sorted(full) == sorted(saved[0]["full"])
             assert all(torch.equal(full[k], saved[0]["full"][k]) for k in full)
+
+
+def relaunch_by_name(base: str, job: str) -> dict:
+    """A job named by its caller, relaunched under torchrun's variables after its first agent is gone."""
+    import json
+    import torch.distributed as dist
+    from parts.base import owner_records
+    from parts.comm import Snapshots, all_gather_objects
+    from parts.comm.snapshot_files import job_folder
+    model, opt = _build()
+    _step(model, opt, 1)
+    with Snapshots(every=1, job=job, root=base) as snaps:
+        snaps.save(_state(model, opt), step=1)
+        at_save = _current(model, opt)
+        snaps.wait()
+        if dist.get_rank() == 0:  # the first launch's agent is gone
+            record = {**owner_records.record(), "pid": 2**22 + 7, "start": "1"}
+            (job_folder(Path(base), job) / "owner.json").write_text(json.dumps(record))
+        all_gather_objects(None)
+        os.environ["TORCHELASTIC_RUN_ID"] = "relaunched"
+        try:
+            restored, loaded, _ = _restore_into_fresh(Snapshots(every=1, job=job, root=base))
+        finally:
+            del os.environ["TORCHELASTIC_RUN_ID"]
+    return {"step": restored.step, "same": all(torch.equal(a, b) for a, b in zip(loaded, at_save))}
+
+
+def test_a_job_named_by_its_caller_is_restored_by_a_relaunch_after_its_agent_is_gone(tmp_path) -> None:
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    for rank, got in enumerate(run(2, relaunch_by_name, str(tmp_path), job, timeout=SLOW)):
+        assert got == {"step": 1, "same": True}, (rank, got)
