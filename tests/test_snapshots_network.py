@@ -26,10 +26,12 @@ def _left(base: str) -> list[str]:
     return sorted(str(p) for p in Path(base).glob("node*/parts-snapshots-*"))
 
 
-def _snaps(base: str, job: str, node_size: int):
+def _snaps(base: str, job: str, node_size: int, shared: bool = False):
+    """Snapshots with a root per node (one for all with ``shared``: nodes emulated on one host)."""
     import torch.distributed as dist
     from parts.comm import Snapshots
-    return Snapshots(every=1, job=job, root=_root(base, dist.get_rank() // node_size), node_size=node_size)
+    node = 0 if shared else dist.get_rank() // node_size
+    return Snapshots(every=1, job=job, root=_root(base, node), node_size=node_size)
 
 
 def _lose(base: str, node: int, job: str, damage: str) -> None:
@@ -95,20 +97,22 @@ def test_a_torn_or_damaged_network_copy_is_refused_and_the_previous_generation_r
                        "left": []}, (rank, out)
 
 
-def save_on_two_nodes(base: str, job: str) -> dict:
-    """World 4 as two nodes of two ranks with roots of their own: one snapshot, node 1's root lost."""
+def save_on_two_nodes(base: str, job: str, hybrid: bool) -> dict:
+    """World 4 as two nodes of two ranks with roots of their own (each a replica of a hybrid
+    layout with ``hybrid``): one snapshot, node 1's root lost."""
     import torch.distributed as dist
     from parts.comm import all_gather_objects
-    model, opt = _build()
+    model, opt = _hybrid() if hybrid else _build()
     snaps = _snaps(base, job, 2).start()
-    _step(model, opt, 1)
+    if not hybrid:
+        _step(model, opt, 1)
     snaps.save(_state(model, opt), step=1)
     full = _full(model)
     snaps.wait()
     if dist.get_rank() == 0:
         shutil.rmtree(_root(base, 1))
     all_gather_objects(None)
-    return {"full": full, "network": snaps.network}
+    return {"full": full, "network": snaps.network, "node_checkpoints": snaps.node_checkpoints}
 
 
 def restore_on(base: str, job: str, node_size: int) -> dict:
@@ -123,12 +127,12 @@ def restore_on(base: str, job: str, node_size: int) -> dict:
             "full": full, "left": _left(base)}
 
 
-@pytest.mark.parametrize("node_size", [2, 1])
+@pytest.mark.parametrize("node_size,hybrid", [(2, False), (1, False), (1, True)])
 def test_a_lost_node_is_restored_resharded_from_4_ranks_to_2_from_the_copies_on_the_other_node(
-        tmp_path, node_size: int) -> None:
+        tmp_path, node_size: int, hybrid: bool) -> None:
     job = f"test-{uuid.uuid4().hex[:8]}"
-    saved = run(4, save_on_two_nodes, str(tmp_path), job, timeout=SLOW)
-    assert all(s["network"] for s in saved)
+    saved = run(4, save_on_two_nodes, str(tmp_path), job, hybrid, timeout=SLOW)
+    assert all(s["network"] and s["node_checkpoints"] == hybrid for s in saved)
     for rank, got in enumerate(run(2, restore_on, str(tmp_path), job, node_size, timeout=SLOW)):
         full = got.pop("full")
         assert got == {"step": 1, "rng_restored": False, "network": node_size == 1, "left": []}, (rank, got)
@@ -166,3 +170,66 @@ def test_a_job_named_by_its_caller_is_restored_by_a_relaunch_after_its_agent_is_
     job = f"test-{uuid.uuid4().hex[:8]}"
     for rank, got in enumerate(run(2, relaunch_by_name, str(tmp_path), job, timeout=SLOW)):
         assert got == {"step": 1, "same": True}, (rank, got)
+
+
+def _hybrid():
+    """World 4 as 2 replicas (the nodes) x 2 shards, the replicas fed the same data: identical."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from parts.partition import gathered, partitioned, reduce_scatter_grads, shards
+    torch.manual_seed(0)
+    with partitioned(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.LayerNorm(9), torch.nn.Linear(9, 5))
+    opt = torch.optim.Adam(shards(model), lr=1e-2)
+    generator = torch.Generator().manual_seed(dist.get_rank() % 2)
+    with gathered(list(model.parameters())):
+        model(torch.randn(4, 6, generator=generator)).square().mean().backward()
+    reduce_scatter_grads(list(model.parameters()))
+    opt.step()
+    return model, opt
+
+
+def hybrid_lose_node(base: str, job: str, shared: bool) -> dict:
+    """A hybrid layout's snapshot; node 1's folder lost; a restore at world 4."""
+    import torch.distributed as dist
+    from parts.comm import all_gather_objects
+    from parts.comm.snapshot_files import job_folder, node_folder, side_name
+    model, opt = _hybrid()
+    snaps = _snaps(base, job, 2, shared).start()
+    snaps.save(_state(model, opt), step=1)
+    at_save = _current(model, opt)
+    snaps.wait()
+    root = Path(_root(base, 0 if shared else dist.get_rank() // 2))
+    folder = node_folder(job_folder(root, job), dist.get_rank() // 2)
+    side_bytes = (folder / "gen-00000001" / side_name(dist.get_rank())).stat().st_size
+    node = dist.get_rank() // 2
+    own_files_only = sorted(p.name for p in (folder / "gen-00000001").glob("*.distcp")) == \
+        [f"__{r}_0.distcp" for r in (2 * node, 2 * node + 1)]
+    all_gather_objects(None)
+    if dist.get_rank() == 0:
+        shutil.rmtree(node_folder(job_folder(root, job), 1) if shared else _root(base, 1))
+    all_gather_objects(None)
+    fresh, fresh_opt = _hybrid()
+    fresh_opt.step()  # other values than at the save
+    state = _state(fresh, fresh_opt)
+    again = _snaps(base, job, 2, shared)
+    restored = again.restore(state)
+    from parts.partition import load_sharded_optimizer_state_dict, load_sharded_state_dict
+    load_sharded_state_dict(fresh, state["model"])
+    load_sharded_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+    loaded = _current(fresh, fresh_opt)
+    again.close()
+    sent = snaps.sent_bytes == (0 if shared else side_bytes)
+    return {"network": snaps.network, "node_checkpoints": snaps.node_checkpoints, "sent_only_own_values": sent,
+            "own_files_only": own_files_only,
+            "step": restored.step, "same": len(loaded) == len(at_save) and
+            all(torch.equal(a, b) for a, b in zip(loaded, at_save)), "left": _left(base)}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_hybrid_layouts_nodes_each_hold_a_whole_snapshot_and_a_lost_node_comes_back_bitwise(tmp_path,
+                                                                                             shared: bool) -> None:
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    for rank, got in enumerate(run(4, hybrid_lose_node, str(tmp_path), job, shared, timeout=SLOW)):
+        assert got == {"network": not shared, "node_checkpoints": True, "sent_only_own_values": True,
+                       "own_files_only": True, "step": 1, "same": True, "left": []}, (rank, got)

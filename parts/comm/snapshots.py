@@ -17,7 +17,9 @@ memory), a rank copies its files into the buddy node's folder; where some do not
 memory of their own), each node's ranks share their own root, and a rank sends its files to its
 buddy rank (the same local rank on the buddy node) over a gloo group made for the copies
 (``snapshot_net``), which writes them into its node's folder; a restore moves the files a node
-lacks the same way (``snapshot_fetch``). Host memory holds at most two generations per node (the last
+lacks the same way (``snapshot_fetch``). Where each node's ranks hold the whole state (a hybrid
+layout whose replicas are the nodes), each node's copy is a checkpoint of its own
+(``snapshot_plan``) and only each rank's own values go to the buddy. Host memory holds at most two generations per node (the last
 committed everywhere and the one being written or just written, each with the buddy's
 files), and one host copy of the rank's state, reused from save to save.
 """
@@ -47,6 +49,7 @@ from parts.comm.host_copy import HostCopy
 from parts.comm.objects import all_gather_objects
 from parts.comm.shard_view import ShardView, settle
 from parts.comm.snapshot_fetch import Net
+from parts.comm.snapshot_plan import NodePlanner
 from parts.comm.snapshot_restore import Restored, restore, rng_state
 from parts.comm.store_gather import StoreGather
 
@@ -75,6 +78,7 @@ class Snapshots:
         self._net: Optional[Net] = None
         self.network = False  # nodes without a shared root: buddy copies and restores over the network
         self.sent_bytes = 0  # bytes of buddy copies sent over the network, in total
+        self.node_checkpoints = False  # each node's copy a whole checkpoint: DCP files get no buddy copy
         self._host = HostCopy()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
@@ -192,7 +196,10 @@ class Snapshots:
         if failed:
             raise ranks.error("copy")(failed)
         if self._plans is None or every != self._plans[0]:
-            planner, plans, metadata = steps.plan_save(lambda: host, ranks, writer, None)
+            node_planner = NodePlanner(self.node_ranks) if self.nodes > 1 else None
+            planner, plans, metadata = steps.plan_save(lambda: host, ranks, writer, node_planner)
+            metadata = getattr(planner, "node_metadata", None) or metadata  # rank 0: one per node
+            self.node_checkpoints = all_gather_objects(isinstance(metadata, list), ranks.info.group)[0]
             self._plans = (every, plans, metadata)
             return planner, plans, metadata
         planner = torch_dcp.DefaultSavePlanner()
@@ -288,14 +295,15 @@ class _Job:
         torch.save(self.side, self.staging / side)
         digests = {**digests, side: file_digest(self.staging / side)}
         owner = self.owner
+        copied = [side] if owner.node_checkpoints else sorted(digests)
         if owner._net is not None:  # the buddy rank: this local rank of the next node
             ranks, world = owner._net.ranks, self.info.world_size
             owner.sent_bytes += snapshot_net.exchange(
                 owner._net.group, ranks[(self.info.rank + owner.node_ranks) % world],
-                ranks[(self.info.rank - owner.node_ranks) % world], sorted(digests), self.staging, self.staging)
+                ranks[(self.info.rank - owner.node_ranks) % world], copied, self.staging, self.staging)
         elif owner.nodes > 1:
             buddy = (owner.node + 1) % owner.nodes
-            files.copy_files(self.staging, digests, files.begin(owner.job_dir, buddy, self.generation))
+            files.copy_files(self.staging, copied, files.begin(owner.job_dir, buddy, self.generation))
         return results, digests
 
     def _decide(self, every: list) -> Any:
@@ -307,10 +315,18 @@ class _Job:
         return self.metadata, [results for results, _ in every], digests, [sorted(mine) for _, mine in every]
 
     def _commit(self, metadata: Any, results: list, digests: dict, by_rank: list) -> None:
-        """A node's leader: DCP's metadata and the manifest in the node's copy, then the rename."""
+        """A node's leader: DCP's metadata and the manifest in the node's copy, then the rename.
+        With one metadata per node, the copy holds the node's own DCP files and every rank's values."""
         owner, size = self.owner, self.owner.node_ranks
         holds = {owner.node, (owner.node - 1) % owner.nodes}
         expected = [name for rank, names in enumerate(by_rank) if rank // size in holds for name in names]
+        if isinstance(metadata, list):
+            own = range(owner.node * size, (owner.node + 1) * size)
+            sides = {files.side_name(rank) for rank in range(len(by_rank))}
+            metadata, results = metadata[owner.node], [results[rank] for rank in own]
+            digests = {name: d for name, d in digests.items()
+                       if name in sides or any(name in by_rank[rank] for rank in own)}
+            expected = [name for name in expected if name in digests]  # the predecessor's values only
         self.writer.finish(metadata=metadata, results=results)
         info = {"generation": self.generation, "step": self.step, "world_size": self.info.world_size,
                 "node_size": size}
