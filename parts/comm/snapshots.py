@@ -19,9 +19,10 @@ buddy rank (the same local rank on the buddy node) over a gloo group made for th
 (``snapshot_net``), which writes them into its node's folder; a restore moves the files a node
 lacks the same way (``snapshot_fetch``). Where each node's ranks hold the whole state (a hybrid
 layout whose replicas are the nodes), each node's copy is a checkpoint of its own
-(``snapshot_plan``) and only each rank's own values go to the buddy. Host memory holds at most two generations per node (the last
-committed everywhere and the one being written or just written, each with the buddy's
-files), and one host copy of the rank's state, reused from save to save.
+(``snapshot_plan``) and only each rank's own values go to the buddy. Host memory holds at most
+two generations per node (the last committed everywhere and the one being written or just
+written, each with the buddy's files), and one host copy of the rank's state, reused from save
+to save.
 """
 
 from __future__ import annotations
