@@ -189,8 +189,9 @@ def _hybrid():
     return model, opt
 
 
-def hybrid_lose_node(base: str, job: str, shared: bool) -> dict:
-    """A hybrid layout's snapshot; node 1's folder lost; a restore at world 4."""
+def hybrid_lose_node(base: str, job: str, shared: bool, damage_node_0: bool = False) -> dict:
+    """A hybrid layout's snapshot; node 1's folder lost (or, with ``damage_node_0``, node 0's
+    copy of rank 0's file truncated); a restore at world 4."""
     import torch.distributed as dist
     from parts.comm import all_gather_objects
     from parts.comm.snapshot_files import job_folder, node_folder, side_name
@@ -206,7 +207,10 @@ def hybrid_lose_node(base: str, job: str, shared: bool) -> dict:
     own_files_only = sorted(p.name for p in (folder / "gen-00000001").glob("*.distcp")) == \
         [f"__{r}_0.distcp" for r in (2 * node, 2 * node + 1)]
     all_gather_objects(None)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and damage_node_0:
+        victim = folder / "gen-00000001" / "__0_0.distcp"
+        os.truncate(victim, victim.stat().st_size // 2)
+    elif dist.get_rank() == 0:
         shutil.rmtree(node_folder(job_folder(root, job), 1) if shared else _root(base, 1))
     all_gather_objects(None)
     fresh, fresh_opt = _hybrid()
@@ -232,4 +236,11 @@ def test_a_hybrid_layouts_nodes_each_hold_a_whole_snapshot_and_a_lost_node_comes
     job = f"test-{uuid.uuid4().hex[:8]}"
     for rank, got in enumerate(run(4, hybrid_lose_node, str(tmp_path), job, shared, timeout=SLOW)):
         assert got == {"network": not shared, "node_checkpoints": True, "sent_only_own_values": True,
+                       "own_files_only": True, "step": 1, "same": True, "left": []}, (rank, got)
+
+
+def test_a_hybrid_layouts_damaged_node_copy_is_refused_and_the_other_replicas_copy_restored(tmp_path) -> None:
+    job = f"test-{uuid.uuid4().hex[:8]}"
+    for rank, got in enumerate(run(4, hybrid_lose_node, str(tmp_path), job, False, True, timeout=SLOW)):
+        assert got == {"network": True, "node_checkpoints": True, "sent_only_own_values": True,
                        "own_files_only": True, "step": 1, "same": True, "left": []}, (rank, got)

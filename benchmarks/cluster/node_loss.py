@@ -2,6 +2,7 @@
 relaunched job continues from the copies the other node holds (over the network).
 
     sudo python benchmarks/cluster/node_loss.py                      # 1 Gbit/s link, K=10, 30 steps
+    sudo python benchmarks/cluster/node_loss.py --hybrid             # a replica per node
 
 Needs root (cluster.py's namespaces ``parts-node0`` and ``parts-node1``, 198.18.0.1 and
 198.18.0.2 on one rate-limited veth pair; deleted at the end). Each namespace runs one torchrun
@@ -24,7 +25,9 @@ no node sees the other's, and the buddy copies travel over the link.
   weights differ from the world-4 run's by construction (another world's data order), so only
   its finish, restored step and bytes are reported.
 
-Results go to ``benchmarks/results/bench_node_loss.jsonl``.
+With ``--hybrid`` the recipe shards within each node and replicates across the two: each
+node's snapshot is a whole checkpoint and only each rank's own values cross the link at a save.
+Results go to ``benchmarks/results/bench_node_loss.jsonl`` (``bench_node_loss_hybrid.jsonl``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def launch(args: argparse.Namespace, work: Path, name: str, nodes: int, env: dic
     for node in range(nodes):
         flags = ["--steps", str(args.steps), "--dtype", "fp32", "--plot", "", "--sample-chars", "5",
                  "--eval-interval", "100000", "--eval-batches", "1", "--heartbeat", "--out", str(work / name)]
+        flags += ["--hybrid"] if args.hybrid else []
         flags += ["--snapshot-every", str(args.every), "--snapshot-job", name,
                   "--snapshot-root", str(SHM / f"parts-node-loss-{args.run}" / f"node{node}")] if snapshots else []
         command = ["ip", "netns", "exec", cluster.NODES[node], sys.executable, "-m", "torch.distributed.run",
@@ -155,6 +159,8 @@ def main() -> None:
     ap.add_argument("--fail-step", type=int, default=25)
     ap.add_argument("--port", type=int, default=29620)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="the recipe's --hybrid (a replica per node): recorded as bench_node_loss_hybrid")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     why = cluster.can_run()
@@ -172,7 +178,8 @@ def main() -> None:
     finally:
         cluster.teardown()
         shutil.rmtree(SHM / f"parts-node-loss-{args.run}", ignore_errors=True)
-    summary = {"link": args.rate, "steps": args.steps, "K": args.every, "fail_step": args.fail_step,
+    summary = {"link": args.rate, "hybrid": args.hybrid, "steps": args.steps, "K": args.every,
+               "fail_step": args.fail_step,
                "snapshots_network": with_snaps["network"], "saves": with_snaps["saves"],
                "buddy_sent_MB": round(with_snaps["sent"] / 1e6, 3),
                "link_MB_with_snapshots": round(with_snaps["link"] / 1e6, 2),
@@ -182,7 +189,7 @@ def main() -> None:
         print(row, flush=True)
     print(summary)
     if not args.no_record:
-        record("bench_node_loss", {"rows": rows, "summary": summary})
+        record("bench_node_loss_hybrid" if args.hybrid else "bench_node_loss", {"rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -209,13 +209,15 @@ def restorable(job_dir: Path) -> dict[int, dict]:
 
 def inventory(job_dir: Path) -> dict[int, dict]:
     """Generation -> ``{"snapshot": its step and world, "names": every file of it, "whole":
-    {file: (folder, bytes)}}`` for the files whole in the folders this host sees (``.metadata``
-    and the manifest both from the first copy, or neither)."""
+    {file: (folder, bytes)}, "metadata": the size and SHA-256 of its whole ``.metadata``}`` for
+    the files whole in the folders this host sees (``.metadata`` and the manifest both from the
+    first copy, or neither)."""
     out = {}
     for generation, copies in _copies(job_dir).items():
         first, manifest = copies[0]
-        whole = {}
+        whole, metadata = {}, None
         if _whole(first / METADATA, manifest["files"].get(METADATA)):
+            metadata = manifest["files"][METADATA]
             whole = {METADATA: (str(first), manifest["files"][METADATA]["bytes"]),
                      MANIFEST: (str(first), os.stat(first / MANIFEST).st_size)}
         for name, entry in manifest["files"].items():
@@ -223,7 +225,7 @@ def inventory(job_dir: Path) -> dict[int, dict]:
             if name != METADATA and where is not None:
                 whole[name] = (str(where), entry["bytes"])
         out[generation] = {"snapshot": manifest["snapshot"], "names": sorted({*manifest["files"], MANIFEST}),
-                           "whole": whole}
+                           "whole": whole, "metadata": metadata}
     return out
 
 
