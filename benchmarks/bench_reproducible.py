@@ -21,7 +21,10 @@ each in turn (so load drift on a shared machine hits all alike):
 Per row: the median step (forward, backward, the mean loss over ranks, clip, optimizer step) in
 wall time and in rank 0's CPU time (steadier where other jobs share the cores), rank 0's bytes
 per step on the wire by kind (``parts.comm.comm_counter``: reduce-scatter, all-gather,
-all-reduce, and small agreements counted as ``check``), and each against its default row.
+all-reduce, and small agreements counted as ``check``), and each against its default row. The
+measured steps are cut into ``--rounds`` consecutive rounds: a ratio is the median over the
+rounds of each round's median against its default row's in the same round, and its range over
+the rounds is shown beside it.
 """
 
 from __future__ import annotations
@@ -113,23 +116,36 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: dict) -> None:
                     moved[i][kind] += after[kind] - before[kind]
     if rank == 0:
         for i, (name, _, _) in enumerate(settings):
-            out[name] = dict(step=statistics.median(times[i]), cpu=statistics.median(cpus[i]),
+            out[name] = dict(step=_by_round(times[i], args.rounds), cpu=_by_round(cpus[i], args.rounds),
                              bytes={k: v // args.steps for k, v in moved[i].items()})
     dist.destroy_process_group()
+
+
+def _by_round(values: list[float], rounds: int) -> list[float]:
+    """The median of each of ``rounds`` consecutive runs of ``values``."""
+    size = max(1, len(values) // rounds)
+    return [statistics.median(values[k * size:(k + 1) * size]) for k in range(min(rounds, len(values)))]
+
+
+def _ratio(mine: list[float], base: list[float]) -> tuple[float, str]:
+    """The median over rounds of ``mine / base`` and its range."""
+    ratios = [a / b for a, b in zip(mine, base)]
+    return round(statistics.median(ratios), 3), f"{min(ratios):.3f}-{max(ratios):.3f}"
 
 
 def _rows(results: dict, settings: list) -> list[dict]:
     rows = []
     for i, (name, reproducible, per_rank) in enumerate(settings):
         r, base = results[name], results[settings[i - 1 if reproducible else i][0]]
-        row = dict(setting=name, units_per_rank=per_rank, step_s=round(r["step"], 4),
-                   step_vs_default=round(r["step"] / base["step"], 3), cpu_s=round(r["cpu"], 4),
-                   cpu_vs_default=round(r["cpu"] / base["cpu"], 3))
+        (step, step_range), (cpu, cpu_range) = _ratio(r["step"], base["step"]), _ratio(r["cpu"], base["cpu"])
+        row = dict(setting=name, units_per_rank=per_rank, step_s=round(statistics.median(r["step"]), 4),
+                   step_vs_default=step, step_range=step_range, cpu_s=round(statistics.median(r["cpu"]), 4),
+                   cpu_vs_default=cpu, cpu_range=cpu_range)
         for kind in KINDS:
             row[f"{kind.split('_bytes')[0]}_MiB"] = round(r["bytes"][kind] / 2 ** 20, 3)
         rs, base_rs = r["bytes"]["reduce_scatter_bytes"], base["bytes"]["reduce_scatter_bytes"]
         total = sum(r["bytes"].values())
-        row["reduce_scatter_vs_default"] = round(rs / base_rs, 3)
+        row["reduce_scatter_vs_default"] = round(rs / base_rs, 4)
         row["wire_vs_default"] = round(total / sum(base["bytes"].values()), 3)
         rows.append(row)
     return rows
@@ -141,6 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODELS), default="recipe")
     parser.add_argument("--steps", type=int, default=30, help="measured steps of each setting")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds the measured steps are cut into")
     parser.add_argument("--batch", type=int, default=8, help="sequences per unit (micro-batch)")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per rank of the U > world rows")
     parser.add_argument("--no-record", action="store_true")
@@ -160,6 +177,7 @@ def main() -> None:
     for row in rows:
         print(row)
     summary = {"model": f"{args.model} GPT ({MODELS[args.model]})", "world": WORLD, "steps": args.steps,
+               "rounds": args.rounds,
                "sequences per unit": args.batch, "wall_s": round(time.perf_counter() - started),
                "note": "a shared 2-core machine (other jobs ran beside it): read the ratios"}
     if not args.no_record:
