@@ -159,7 +159,8 @@ def test_base_uses_no_part() -> None:
     assert not bad, bad
 
 
-PUBLIC_MODULES = {"parts.io", "parts.integrations.transformers", "parts.integrations.accelerate"}
+PUBLIC_MODULES = {"parts.io", "parts.integrations.transformers", "parts.integrations.accelerate",
+                  "parts.integrations.accelerate_snapshots"}
 
 
 def test_only_public_surfaces_carry___all__() -> None:
