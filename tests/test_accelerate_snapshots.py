@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 from harness import run  # noqa: E402
-from test_integrations_accelerate import _fresh_state, _rows  # noqa: E402
+from test_integrations_accelerate import _fresh_state, _rows, _step  # noqa: E402
 
 K, STOP_AT, STEPS = 3, 5, 8
 
@@ -55,13 +55,7 @@ def loop(root: str, seed: int, stop_at: int = 0, snapshots: bool = True) -> dict
         start, position = (restore_snapshot(accelerator, snaps) if snaps else None) or (0, None)
         losses = []
         for step in range(start + 1, STEPS + 1):
-            ids = batches[step - 1]
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+            losses.append(_step(accelerator, model, optimizer, schedule, batches[step - 1]))
             if step == stop_at:
                 snaps.wait()  # the snapshot being written is committed (a killed loop keeps the last committed one)
                 raise Interrupted(f"interrupted after step {step}")

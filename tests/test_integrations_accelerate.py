@@ -114,16 +114,18 @@ def test_mixed_precision_without_a_parts_counterpart_raises() -> None:
             mixed_precision_policy(mode)
 
 
+def _step(accelerator, model, optimizer, schedule, ids) -> float:
+    """One step of a language model on ``ids`` through accelerate; its loss."""
+    loss = model(input_ids=ids, labels=ids).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    schedule.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def _steps(accelerator, model, optimizer, schedule, batches) -> list:
-    losses = []
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [_step(accelerator, model, optimizer, schedule, ids) for ids in batches]
 
 
 def _prepared(accelerator, seed: int) -> tuple:
