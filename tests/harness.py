@@ -89,6 +89,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # forked children must not reuse the parent's OpenMP pool
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # not a handler the pytest process was given
     # as in the recipes: no flight-recorder record per collective, so a rank's heap in use is flat
     # from step to step and a soak test sees what parts allocates
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
