@@ -71,6 +71,7 @@ class Heartbeat:
         self._step: Optional[int] = None
         self._optimizer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._thread: Optional[threading.Thread] = None
+        self._to_end: Optional[int] = None  # the pid of a stopped peer to SIGKILL once the verdict is posted
         self._lock, self._exiting, self._interrupted = threading.Lock(), False, False
         self.thread_cpu_s = 0.0  # CPU time the monitor thread has used (what it costs)
 
@@ -218,8 +219,7 @@ class Heartbeat:
         if state not in ("T", "Z", "gone"):
             return None
         if state == "T" and self.end_stopped:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(record.pid, signal.SIGKILL)
+            self._to_end = record.pid  # after the verdict is posted, so no peer finds it dead first
         return stopped(record, age, state)
 
     def _fail(self, failure: PeerFailure) -> None:
@@ -231,6 +231,9 @@ class Heartbeat:
                 failure = from_verdict(posted)
         except Exception:  # noqa: BLE001 - the store is gone: this rank's own view stands
             pass
+        if self._to_end is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self._to_end, signal.SIGKILL)
         print(f"parts.comm.Heartbeat on rank {self._record.rank}: {failure}", file=sys.stderr, flush=True)
         with self._lock:
             self._failure = failure
