@@ -17,6 +17,8 @@ snapshots. Reported per kind (medians over the runs, maxima where named):
 - **restart s**: from there to the restarted workers' restore call (the agent stops the others:
   it waits 30 s for a stopped worker to answer SIGTERM; then it relaunches, and each worker
   imports torch, joins the group and builds the model);
+- **launch s**: the part of the restart up to the slowest restarted worker's first line of
+  ``main`` (the agent's stop and relaunch, the interpreter's start and the imports);
 - **restore s**: the restore call (the slowest rank);
 - **fail to step s**: the failure to the first step finished after the restart (slowest rank);
 - **steps lost**: steps computed twice (the failure's step minus the snapshot's);
@@ -119,9 +121,11 @@ def agent_time(output: str, after: float) -> float | None:
     return None
 
 
-def one_run(args: argparse.Namespace, kind: str, rank: int, step: int, reference: dict, work: Path) -> dict:
-    """One failure; what it cost."""
-    log, out = work / f"{kind}-{rank}-{step}.jsonl", work / f"{kind}-{rank}-{step}"
+def one_run(args: argparse.Namespace, kind: str, rank: int, step: int, reference: dict, work: Path,
+            index: int) -> dict:
+    """One failure (the ``index``-th of its kind: runs that draw the same rank and step keep apart); what it cost."""
+    name = f"{kind}-{index}-rank{rank}-step{step}"
+    log, out = work / f"{name}.jsonl", work / name
     stop = threading.Event()
     watcher = threading.Thread(target=remove_when_failed, args=(log, out, stop), daemon=True)
     watcher.start()
@@ -132,14 +136,16 @@ def one_run(args: argparse.Namespace, kind: str, rank: int, step: int, reference
     fail = next((e for e in seen if e["event"] == "fail"), None)
     restored = [e for e in seen if e["event"] == "restored" and e["restart"] == 1]
     firsts = [e for e in seen if e["event"] == "first step" and e["restart"] == 1]
+    started = [e for e in seen if e["event"] == "started" and e["restart"] == 1]
     row = {"kind": kind, "rank": rank, "step": step, "rc": code, "restored": len(restored) == args.world}
-    if code != 0 or fail is None or not row["restored"] or not out.exists():
+    if code != 0 or fail is None or not row["restored"] or not out.exists():  # counted as not equal
         row["tail"] = output[-2000:]
         return row
     detected = agent_time(output, fail["time"])
     began = min(e["time"] - e["seconds"] for e in restored)
     row.update(detect_s=round(detected - fail["time"], 2) if detected else None,
                restart_s=round(began - detected, 2) if detected else None,
+               launch_s=round(max(e["time"] for e in started) - detected, 2) if detected and started else None,
                restore_s=round(max(e["seconds"] for e in restored), 3),
                fail_to_step_s=round(max(e["time"] for e in firsts) - fail["time"], 2),
                steps_lost=step - restored[0]["step"], disk_bytes=sum(e["disk_bytes"] for e in restored),
@@ -156,7 +162,7 @@ def per_kind(kind: str, rows: list[dict]) -> dict:
         return round(statistics.median(values), 2) if values else ""
     return {"kind": kind, "runs": len(rows), "finished": sum(r["rc"] == 0 for r in rows),
             "equal": sum(bool(r.get("equal")) for r in rows), "detect_s": median("detect_s"),
-            "restart_s": median("restart_s"), "restore_s": median("restore_s"),
+            "restart_s": median("restart_s"), "launch_s": median("launch_s"), "restore_s": median("restore_s"),
             "fail_to_step_s": median("fail_to_step_s"),
             "fail_to_step_max_s": max((r["fail_to_step_s"] for r in ok), default=""),
             "steps_lost_max": max((r["steps_lost"] for r in ok), default=""),
@@ -222,7 +228,7 @@ def main() -> None:
             reference = weights(work / "reference")
             for kind in args.kinds.split(","):
                 runs = [one_run(args, kind, draw.randrange(args.world), draw.randint(args.every + 1, args.steps - 1),
-                                reference, work) for _ in range(args.runs)]
+                                reference, work, index) for index in range(args.runs)]
                 for run in runs:
                     print(json.dumps(run), flush=True)
                 rows.append(per_kind(kind, runs))

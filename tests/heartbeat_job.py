@@ -34,6 +34,7 @@ try:
             dist.all_reduce(torch.ones(4))
             time.sleep(0.05)
 except PeerFailure as failure:
-    print("PEER FAILURE " + json.dumps({"rank": rank, "failed": failure.rank, "step": failure.step,
-                                        "op": failure.op, "time": time.time()}), flush=True)
+    sys.stdout.write("PEER FAILURE " + json.dumps({"rank": rank, "failed": failure.rank, "step": failure.step,
+                                                   "op": failure.op, "time": time.time()}) + "\n")
+    sys.stdout.flush()  # one write: the other ranks' lines never split it
     raise

@@ -176,13 +176,15 @@ def test_under_torchrun_a_stopped_rank_is_named_within_10_s_and_the_job_ends_non
     assert job.wait(timeout=240) != 0, lines[-40:]
     stopped = _misbehaved_at(lines)
     for rank in (0, 2):
-        seen = next(t for t, line in lines if line.startswith(f"parts.comm.Heartbeat on rank {rank}: rank 1 (pid"))
-        assert seen - stopped < LIMIT_S, (rank, seen - stopped)
-        named = next(line for t, line in lines if line.startswith(f"parts.comm.Heartbeat on rank {rank}: rank 1"))
+        said = f"parts.comm.Heartbeat on rank {rank}: rank 1 (pid"
+        seen, named = next(((t, line[line.index(said):]) for t, line in lines if said in line), (None, lines[-40:]))
+        assert seen is not None and seen - stopped < LIMIT_S, (rank, named)
         assert "sent no heartbeat for" in named and "its last report: step 20, in misbehave" in named, named
         assert "is stopped (SIGSTOP)" in named and seen - stopped < STOPPED_LIMIT_S, (named, seen - stopped)
-    if end_stopped:  # the all-reduce failed once rank 1 ended: each rank raised PeerFailure naming it
+    if end_stopped:  # the all-reduce failed once rank 1 ended: a rank raised PeerFailure naming it; the
+        # agent may end the other once the first exits, before it reports
         reports = [json.loads(line.split("PEER FAILURE ")[1]) for _, line in lines if "PEER FAILURE" in line]
-        assert sorted((r["rank"], r["failed"]) for r in reports) == [(0, 1), (2, 1)], lines[-40:]
+        assert reports and all(r["failed"] == 1 and r["rank"] in (0, 2) for r in reports), lines[-40:]
+        assert len(reports) == 2 or any("closing signal SIGTERM" in line for _, line in lines), lines[-40:]
     else:
         assert any("still running" in line and "exiting with 1" in line for _, line in lines), lines[-40:]

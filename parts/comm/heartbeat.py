@@ -13,8 +13,9 @@ rank in a long step still beats, because the thread runs beside its main thread.
 in this process's namespace (the same host; ``node_id``) that missed two beats is looked up in
 ``/proc``: stopped (state ``T``) or dead, it is failed at once, without waiting for ``timeout``
 (a healthy process is never in either state, however long its step), and a stopped one is sent
-SIGKILL (``end_stopped``): a stopped process answers no signal but SIGKILL, so torchrun's agent
-would wait 30 s for it to end before restarting the group. A stopped rank on another host is
+SIGKILL (``end_stopped``) once every other rank has the verdict (at most ``2 * interval`` later;
+its death makes torchrun's agent end the others): a stopped process answers no signal but
+SIGKILL, so the agent would wait 30 s for it to end before restarting the group. A stopped rank on another host is
 failed after ``timeout`` and is not signalled (no process can signal another host's); its own
 agent ends it when the rendezvous restarts, 30 s after its SIGTERM. A rank that
 raises out of the ``with`` block posts the error at once. The rank that sees a failure first
@@ -71,7 +72,7 @@ class Heartbeat:
         self._step: Optional[int] = None
         self._optimizer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._thread: Optional[threading.Thread] = None
-        self._to_end: Optional[int] = None  # the pid of a stopped peer to SIGKILL once the verdict is posted
+        self._to_end: Optional[tuple[int, int]] = None  # a stopped peer's pid and group rank, to SIGKILL
         self._lock, self._exiting, self._interrupted = threading.Lock(), False, False
         self.thread_cpu_s = 0.0  # CPU time the monitor thread has used (what it costs)
 
@@ -203,7 +204,7 @@ class Heartbeat:
             elif now - last[1] > self.timeout:
                 return stale(record, now - last[1])
             elif now - last[1] > 2 * self.interval and self._sees(record):
-                failure = self._stopped_or_dead(record, now - last[1])
+                failure = self._stopped_or_dead(record, now - last[1], rank)
                 if failure is not None:
                     return failure
         return None
@@ -212,14 +213,14 @@ class Heartbeat:
         """True when ``record``'s pid is a process of this namespace (the same host)."""
         return bool(record.node) and record.node == self._record.node and record.pid > 0
 
-    def _stopped_or_dead(self, record: Record, age: float) -> Optional[PeerFailure]:
-        """The failure of a rank of this host whose process is stopped (sent SIGKILL with
-        ``end_stopped``) or dead; None while it runs (a slow step: the thread was held up)."""
+    def _stopped_or_dead(self, record: Record, age: float, rank: int) -> Optional[PeerFailure]:
+        """The failure of group rank ``rank``, of this host, whose process is stopped (sent SIGKILL
+        with ``end_stopped``) or dead; None while it runs (a slow step: the thread was held up)."""
         state = process_state(record.pid)
         if state not in ("T", "Z", "gone"):
             return None
         if state == "T" and self.end_stopped:
-            self._to_end = record.pid  # after the verdict is posted, so no peer finds it dead first
+            self._to_end = (record.pid, rank)  # ended once the others were told (``_end_stopped``)
         return stopped(record, age, state)
 
     def _fail(self, failure: PeerFailure) -> None:
@@ -231,10 +232,11 @@ class Heartbeat:
                 failure = from_verdict(posted)
         except Exception:  # noqa: BLE001 - the store is gone: this rank's own view stands
             pass
+        self._say(str(failure))
+        with contextlib.suppress(Exception):  # the store is gone: no peer waits for this rank
+            self._store.set(f"{self._base}told{self.rank}", "1")
         if self._to_end is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self._to_end, signal.SIGKILL)
-        print(f"parts.comm.Heartbeat on rank {self._record.rank}: {failure}", file=sys.stderr, flush=True)
+            self._end_stopped(*self._to_end)
         with self._lock:
             self._failure = failure
             self._failed.set()
@@ -243,9 +245,24 @@ class Heartbeat:
                 _thread.interrupt_main()
         if self.exit_after is not None:
             time.sleep(self.exit_after)
-            print(f"parts.comm.Heartbeat on rank {self._record.rank}: still running {self.exit_after} s after "
-                  f"the failure was raised; exiting with {self.exit_code}", file=sys.stderr, flush=True)
+            self._say(f"still running {self.exit_after} s after the failure was raised; exiting with {self.exit_code}")
             os._exit(self.exit_code)
+
+    def _end_stopped(self, pid: int, rank: int) -> None:
+        """SIGKILL the stopped group rank ``rank`` once every other rank has the verdict (at most
+        ``2 * interval`` later): its death makes torchrun's agent end the others at once."""
+        told = [f"{self._base}told{r}" for r in range(self.world_size) if r != rank]
+        deadline = time.monotonic() + 2 * self.interval
+        with contextlib.suppress(Exception):  # the store is gone: end it now
+            while not self._store.check(told) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _say(self, text: str) -> None:
+        """One line on stderr in one write, so that the lines of the job's other processes never split it."""
+        sys.stderr.write(f"parts.comm.Heartbeat on rank {self._record.rank}: {text}\n")
+        sys.stderr.flush()
 
 
 def _absorb_interrupt(limit_s: float = 1.0) -> None:
