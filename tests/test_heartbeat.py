@@ -85,6 +85,26 @@ def test_every_other_rank_raises_within_10_s_naming_the_failed_rank_its_step_and
             assert seen["after_s"] < STOPPED_LIMIT_S, (rank, seen)
 
 
+def watch_with_own_sigint_handler(victim: int, folder: str) -> None:
+    """``watch`` in a program that handles SIGINT itself (e.g. to save on Ctrl-C); the number of
+    calls of its handler in ``sigint<rank>.json``."""
+    import torch.distributed as dist
+    calls = []
+    signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    watch("exception", victim, folder)
+    Path(folder, f"sigint{dist.get_rank()}.json").write_text(json.dumps(len(calls)))
+
+
+def test_a_program_with_its_own_sigint_handler_still_gets_peer_failure_and_its_handler_is_not_called(
+        tmp_path: Path) -> None:
+    with pytest.raises(RankFailure) as failed:
+        run(2, watch_with_own_sigint_handler, 1, str(tmp_path), timeout=90)
+    assert failed.value.rank == 1, str(failed.value)
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["raised"] == "PeerFailure" and seen["rank"] == 1, seen
+    assert json.loads((tmp_path / "sigint0.json").read_text()) == 0
+
+
 def test_process_state_tells_a_stopped_process_and_a_gone_one() -> None:
     from parts.comm.heartbeat_report import node_id, process_state
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -21,7 +21,9 @@ agent ends it when the rendezvous restarts, 30 s after its SIGTERM. A rank that
 raises out of the ``with`` block posts the error at once. The rank that sees a failure first
 posts it as the job's verdict, which every rank reads at its next beat.
 
-Then, on every rank: the failure is printed on stderr, the main thread is interrupted and
+Then, on every rank: the failure is printed on stderr, the main thread is interrupted (by
+SIGUSR2 where the program leaves that signal alone, so a SIGINT handler of its own never sees
+the interrupt; else by SIGINT) and
 the ``with`` block raises ``PeerFailure`` naming the rank (an error of a collective whose
 peer is gone is turned into it too); a main thread that cannot be interrupted (blocked in a
 collective that waits for the stopped rank: gloo's cannot be aborted) ends the process with
@@ -72,6 +74,7 @@ class Heartbeat:
         self._step: Optional[int] = None
         self._optimizer_steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._thread: Optional[threading.Thread] = None
+        self._signal, self._own_handler = signal.SIGINT, False  # how the thread interrupts the main thread
         self._to_end: Optional[tuple[int, int]] = None  # a stopped peer's pid and group rank, to SIGKILL
         self._lock, self._exiting, self._interrupted = threading.Lock(), False, False
         self.thread_cpu_s = 0.0  # CPU time the monitor thread has used (what it costs)
@@ -93,6 +96,7 @@ class Heartbeat:
         self._watched = sorted({(self.rank + d) % self.world_size for s in range(1, self.span + 1)
                                 for d in (s, -s)} - {self.rank})
         self._hook = register_optimizer_step_post_hook(self._count_step)
+        self._signal, self._own_handler = _interrupt_signal()
         self._thread = threading.Thread(target=self._run, name="parts-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -117,6 +121,9 @@ class Heartbeat:
             return
         self._hook.remove()
         self._stopping.set()
+        if self._own_handler and threading.current_thread() is threading.main_thread():
+            signal.signal(self._signal, signal.SIG_DFL)  # the thread interrupts no more (``_exiting`` or ended)
+            self._own_handler = False
         if self._failure is None:  # after a failure the thread keeps the exit_after deadline
             self._thread.join()
         self._thread = None
@@ -242,7 +249,7 @@ class Heartbeat:
             self._failed.set()
             if not self._exiting:
                 self._interrupted = True
-                _thread.interrupt_main()
+                _thread.interrupt_main(self._signal)
         if self.exit_after is not None:
             time.sleep(self.exit_after)
             self._say(f"still running {self.exit_after} s after the failure was raised; exiting with {self.exit_code}")
@@ -263,6 +270,23 @@ class Heartbeat:
         """One line on stderr in one write, so that the lines of the job's other processes never split it."""
         sys.stderr.write(f"parts.comm.Heartbeat on rank {self._record.rank}: {text}\n")
         sys.stderr.flush()
+
+
+def _interrupt_signal() -> tuple[int, bool]:
+    """The signal the thread interrupts the main thread with, and whether ``start`` installed its
+    handler: SIGUSR2 raising KeyboardInterrupt where this is the main thread and nothing handles
+    SIGUSR2 (so a handler the program set for SIGINT never sees it); else SIGINT."""
+    spare = getattr(signal, "SIGUSR2", None)
+    if spare is None or threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(spare) != signal.SIG_DFL:
+        return signal.SIGINT, False
+    signal.signal(spare, _raise_keyboard_interrupt)
+    return spare, True
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    """The handler of the heartbeat's interrupt: what Python's SIGINT handler does."""
+    raise KeyboardInterrupt
 
 
 def _absorb_interrupt(limit_s: float = 1.0) -> None:
