@@ -124,10 +124,10 @@ def restore(snaps: Optional[Snapshots], state: dict, generator: torch.Generator)
 
 @contextlib.contextmanager
 def heartbeat(args: argparse.Namespace) -> Iterator[Optional[Heartbeat]]:
-    """With ``--heartbeat``: ``Heartbeat()``, and a peer on this host that stopped beating
-    (SIGSTOP, hung) is sent SIGKILL once it is named, so that torchrun's agent restarts the
-    group at once instead of waiting 30 s for the stopped worker to answer its SIGTERM.
-    Without the flag: nothing (None)."""
+    """With ``--heartbeat``: ``Heartbeat()`` (which itself sends SIGKILL to a peer of this host
+    it sees stopped), and a peer on this host that stopped beating while it runs (hung) is sent
+    SIGKILL once it is named, so that torchrun's agent restarts the group at once instead of
+    waiting 30 s for the worker to answer its SIGTERM. Without the flag: nothing (None)."""
     if not args.heartbeat:
         yield None
         return
@@ -143,12 +143,13 @@ def heartbeat(args: argparse.Namespace) -> Iterator[Optional[Heartbeat]]:
 
 
 def _end_stopped_peer(beat: Heartbeat, peers: list, ended: threading.Event) -> None:
-    """SIGKILL the rank ``beat`` names once it sent no heartbeat, if it runs on this host."""
+    """SIGKILL the rank ``beat`` names once it sent no heartbeat for the timeout (hung), if it
+    runs on this host (one seen stopped is ended by the heartbeat, once every rank was told)."""
     while beat.failure is None:
         if ended.wait(0.1):
             return
     failure = beat.failure
-    if "sent no heartbeat" in failure.reason and 0 <= failure.rank < len(peers):
+    if failure.reason.startswith("sent no heartbeat") and 0 <= failure.rank < len(peers):
         host, pid = peers[failure.rank]
         if host == socket.gethostname() and pid != os.getpid():
             note("ended stopped peer", peer=failure.rank)

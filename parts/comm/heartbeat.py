@@ -9,28 +9,27 @@ records of its ring neighbours (``span`` ranks each side: every rank is watched 
 others, and the store serves ``2 * span + 2`` small reads per rank and beat whatever the world
 size). A neighbour whose sequence number has not moved for ``timeout`` seconds is stale: a
 SIGKILLed process and a SIGSTOPped one (its threads stop with it) both stop beating, while a
-rank in a long step still beats, because the thread runs beside its main thread. A neighbour
-in this process's namespace (the same host; ``node_id``) that missed two beats is looked up in
+rank in a long step still beats, because the thread runs beside its main thread. A neighbour in
+this process's namespace (the same host; ``node_id``) that missed two beats is looked up in
 ``/proc``: stopped (state ``T``) or dead, it is failed at once, without waiting for ``timeout``
 (a healthy process is never in either state, however long its step), and a stopped one is sent
-SIGKILL (``end_stopped``) once every other rank has the verdict (at most ``2 * interval`` later;
-its death makes torchrun's agent end the others): a stopped process answers no signal but
-SIGKILL, so the agent would wait 30 s for it to end before restarting the group. A stopped rank on another host is
-failed after ``timeout`` and is not signalled (no process can signal another host's); its own
-agent ends it when the rendezvous restarts, 30 s after its SIGTERM. A rank that
-raises out of the ``with`` block posts the error at once. The rank that sees a failure first
-posts it as the job's verdict, which every rank reads at its next beat.
+SIGKILL (``end_stopped``) once every other rank has the verdict (at most ``2 * interval``
+later; its death makes torchrun's agent end the others): a stopped process answers no signal
+but SIGKILL, so the agent would wait 30 s for it to end before restarting the group. A stopped
+rank on another host is failed after ``timeout`` and is not signalled (no process can signal
+another host's); its own agent ends it when the rendezvous restarts, 30 s after its SIGTERM. A
+rank that raises out of the ``with`` block posts the error at once. The rank that sees a
+failure first posts it as the job's verdict, which every rank reads at its next beat.
 
 Then, on every rank: the failure is printed on stderr, the main thread is interrupted (by
 SIGUSR2 where the program leaves that signal alone, so a SIGINT handler of its own never sees
-the interrupt; else by SIGINT) and
-the ``with`` block raises ``PeerFailure`` naming the rank (an error of a collective whose
-peer is gone is turned into it too); a main thread that cannot be interrupted (blocked in a
-collective that waits for the stopped rank: gloo's cannot be aborted) ends the process with
-``exit_code`` ``exit_after`` seconds later (``exit_after=None`` leaves that to the caller).
-With the defaults a failure is raised about ``timeout + 2 * interval`` seconds after it
-(6 s; on one host a stopped or dead rank within about ``3 * interval``, 1.5 s) and every rank
-has exited about ``exit_after`` seconds later.
+the interrupt; else by SIGINT) and the ``with`` block raises ``PeerFailure`` naming the rank
+(an error of a collective whose peer is gone is turned into it too); a main thread that cannot
+be interrupted (blocked in a collective that waits for the stopped rank: gloo's cannot be
+aborted) ends the process with ``exit_code`` ``exit_after`` seconds later (``exit_after=None``
+leaves that to the caller). With the defaults a failure is raised about
+``timeout + 2 * interval`` seconds after it (6 s; on one host a stopped or dead rank within
+about ``3 * interval``, 1.5 s) and every rank has exited about ``exit_after`` seconds later.
 """
 
 from __future__ import annotations
