@@ -13,15 +13,18 @@ each in turn (so load drift on a shared machine hits all alike):
   sequences, grads averaged over ranks (fp32 reduce-scatter).
 * ``reproducible, U = world``: ``attach(model, reproducible=True)`` and ``backward_units`` over
   the same global batch cut into 2 units: each rank computes the same sequences as above, its
-  grads summed in int64 fixed point, the clip norm in fixed point.
+  grads exchanged as floats (an all-to-all) and summed in int64 fixed point on their receiver,
+  the clip norm in fixed point.
 * ``default, K micro-batches per rank`` and ``reproducible, U = K * world``: the same with
   ``--accumulate`` K micro-batches of ``--batch`` sequences per rank (gradient accumulation;
   reproducible mode computes its units one by one the same way).
 
 Per row: the median step (forward, backward, the mean loss over ranks, clip, optimizer step) in
 wall time and in rank 0's CPU time (steadier where other jobs share the cores), rank 0's bytes
-per step on the wire by kind (``parts.comm.comm_counter``: reduce-scatter, all-gather,
-all-reduce, and small agreements counted as ``check``), and each against its default row. The
+per step on the wire by kind (``parts.comm.comm_counter``: reduce-scatter, all-to-all,
+all-gather, all-reduce, and small agreements counted as ``check``), and each against its default
+row; ``grad_bytes_vs_default`` compares the grad reduction's bytes (the reduce-scatter, or
+reproducible mode's all-to-all) with the default row's. The
 measured steps are cut into ``--rounds`` consecutive rounds: a ratio is the median over the
 rounds of each round's median against its default row's in the same round, and its range over
 the rounds is shown beside it.
@@ -46,7 +49,8 @@ from record import record  # noqa: E402
 
 MODELS = {"recipe": dict(n_layer=4, n_embd=128, n_head=4, seq=128),  # recipes/train_gpt.py's default GPT
           "25m": dict(n_layer=8, n_embd=512, n_head=8, seq=128)}  # bench_zero3's 25.4M GPT
-KINDS = ("reduce_scatter_bytes", "allgather_bytes", "all_reduce_bytes", "check_bytes")
+KINDS = ("reduce_scatter_bytes", "all_to_all_bytes", "allgather_bytes", "all_reduce_bytes", "check_bytes")
+GRAD_KINDS = ("reduce_scatter_bytes", "all_to_all_bytes")  # the grad reduction: either one
 WORLD = 2
 
 
@@ -143,9 +147,9 @@ def _rows(results: dict, settings: list) -> list[dict]:
                    cpu_vs_default=cpu, cpu_range=cpu_range)
         for kind in KINDS:
             row[f"{kind.split('_bytes')[0]}_MiB"] = round(r["bytes"][kind] / 2 ** 20, 3)
-        rs, base_rs = r["bytes"]["reduce_scatter_bytes"], base["bytes"]["reduce_scatter_bytes"]
+        grad, base_grad = (sum(b["bytes"][k] for k in GRAD_KINDS) for b in (r, base))
         total = sum(r["bytes"].values())
-        row["reduce_scatter_vs_default"] = round(rs / base_rs, 4)
+        row["grad_bytes_vs_default"] = round(grad / base_grad, 4)
         row["wire_vs_default"] = round(total / sum(base["bytes"].values()), 3)
         rows.append(row)
     return rows

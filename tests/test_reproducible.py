@@ -390,3 +390,27 @@ def test_a_large_parameter_has_the_same_grad_and_norm_at_world_1_2_and_3() -> No
         assert all(torch.equal(r["norm"], first["norm"]) for r in ranks), w
         for k, v in first["grads"].items():
             assert torch.equal(torch.cat([r["grads"][k] for r in ranks])[:v.numel()], v), (w, k)
+
+
+def grad_reduction_bytes(reproducible: bool) -> dict:
+    """One backward of ``Net`` (attached with or without ``reproducible``): the bytes this rank sent
+    by kind, and the parameter count."""
+    from parts.comm import comm_counter
+    from parts.partition import attach, partitioned
+    torch.manual_seed(0)
+    with partitioned():
+        model = Net()
+    attach(model, reproducible=reproducible)
+    before = comm_counter.snapshot()
+    loss_fn(model, _batch(0)).backward()
+    after = comm_counter.snapshot()
+    sent = {k: after[k] - before[k] for k in ("reduce_scatter_bytes", "all_to_all_bytes")}
+    return {**sent, "params": len(list(model.parameters()))}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_exact_grad_exchange_sends_the_default_reduce_scatters_bytes_and_one_code_per_parameter(world: int) -> None:
+    default, exact = run(world, grad_reduction_bytes, False)[0], run(world, grad_reduction_bytes, True)[0]
+    assert default["all_to_all_bytes"] == 0 and exact["reduce_scatter_bytes"] == 0
+    codes = (world - 1) * 4 * exact["params"]  # one fp32 code per parameter to each other rank
+    assert exact["all_to_all_bytes"] == default["reduce_scatter_bytes"] + codes

@@ -225,16 +225,17 @@ def broadcast(tensor: torch.Tensor, src: int, info: GroupInfo) -> None:
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-               info: GroupInfo) -> None:
+               info: GroupInfo, async_op: bool = False) -> Optional[Waitable]:
     """Send ``inp``'s consecutive pieces of ``in_splits`` elements to ranks 0, 1, ... and receive
     theirs into ``out`` (pieces of ``out_splits``): one batched exchange, counted as the bytes
-    sent to the other ranks."""
+    sent to the other ranks. With ``async_op`` a handle (keeping both alive until ``wait()``)."""
     size = inp.element_size()
     _count("all_to_all", (sum(in_splits) - in_splits[info.rank]) * size if info.world_size > 1 else 0, info)
     if info.world_size == 1:
         out.copy_(inp)
-        return
-    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=info.group)
+        return Work() if async_op else None
+    work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=info.group, async_op=True)
+    return finish(WorkList([work], (out, inp)), async_op)
 
 
 def all_gather_list(x: torch.Tensor, info: GroupInfo) -> list[torch.Tensor]:
