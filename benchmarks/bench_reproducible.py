@@ -164,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="rounds the measured steps are cut into")
     parser.add_argument("--batch", type=int, default=8, help="sequences per unit (micro-batch)")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per rank of the U > world rows")
+    parser.add_argument("--note", default="", help="recorded beside the table (how the machine was used)")
     parser.add_argument("--no-record", action="store_true")
     return parser.parse_args(argv)
 
@@ -182,8 +183,9 @@ def main() -> None:
         print(row)
     summary = {"model": f"{args.model} GPT ({MODELS[args.model]})", "world": WORLD, "steps": args.steps,
                "rounds": args.rounds,
-               "sequences per unit": args.batch, "wall_s": round(time.perf_counter() - started),
-               "note": "a shared 2-core machine (other jobs ran beside it): read the ratios"}
+               "sequences per unit": args.batch, "wall_s": round(time.perf_counter() - started)}
+    if args.note:
+        summary["note"] = args.note
     if not args.no_record:
         record("bench_reproducible" + ("" if args.model == "recipe" else f"_{args.model}"),
                {"rows": rows, "summary": summary})
