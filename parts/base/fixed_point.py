@@ -87,6 +87,29 @@ def quantize(values: torch.Tensor, exponent: int) -> torch.Tensor:
     return rounded(values, exponent).to(torch.int64)
 
 
+def piece_scales(exponents: Sequence[Optional[int]], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``2**e`` for every element of consecutive pieces of ``sizes`` elements quantized at
+    ``exponents`` (0 where None): fp32 where every exponent lies in ``[0, 100]`` (its products with
+    fp32 values below ``2**UNIT_BITS`` are exact, as in ``rounded``), else float64."""
+    present = [e for e in exponents if e is not None]
+    dtype = torch.float32 if all(0 <= e <= 100 for e in present) else torch.float64
+    per_piece = torch.tensor([0.0 if e is None else 2.0 ** e for e in exponents], dtype=dtype)
+    return per_piece.repeat_interleave(torch.tensor(sizes)).to(device)
+
+
+def quantized_row_sum(rows: torch.Tensor, scales: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
+    """``sum_r round(rows[r] * scales)`` as int64 (each rounding as in ``rounded``: exact scaling by a
+    power of two, one rounding; integer sums exact), in column pieces of ``chunk`` that stay in cache."""
+    work = torch.promote_types(rows.dtype, scales.dtype)
+    total = torch.empty(rows.shape[1], dtype=torch.int64, device=rows.device)
+    for start in range(0, rows.shape[1], chunk):
+        scale, out = scales[start:start + chunk], total[start:start + chunk]
+        out.copy_((rows[0, start:start + chunk].to(work) * scale).round_())
+        for row in rows[1:]:
+            out.add_((row[start:start + chunk].to(work) * scale).round_().to(torch.int64))
+    return total
+
+
 def dequantize(sums: Mapping[int, torch.Tensor], dtype: torch.dtype, numel: int,
                device: torch.device) -> torch.Tensor:
     """``sum_e sums[e] * 2**-e`` in float64, added in ascending ``e``, then cast to ``dtype``: the same

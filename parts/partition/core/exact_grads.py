@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from parts.base.fixed_point import GRID, largest, rounded, unit_exponent
+from parts.base.fixed_point import GRID, largest, piece_scales, quantized_row_sum, unit_exponent
 from parts.comm import GroupArg, all_to_all
 from parts.partition.core import exact
 from parts.partition.core.exact import ExactGrad
@@ -111,34 +111,45 @@ def _chunks(block: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def _sum_received(recv: torch.Tensor, records: list[ParamMeta], states: list[ExactGrad]) -> None:
-    """Quantize the chunks every rank sent at their units' exponents and add them into ``states``."""
-    offset = sum(m.layout.shard_numel for m in records)
-    codes = recv[:, offset:].tolist()
+    """Quantize the chunks every rank sent at their units' exponents and add them into ``states``:
+    the parameters whose units all have one exponent in one pass over the rows, the others one by one."""
+    sizes = [m.layout.shard_numel for m in records]
+    data = sum(sizes)
+    columns = list(zip(*recv[:, data:].tolist()))  # each parameter's codes, one per rank
+    agreed = [_agreed(column) for column in columns]
+    totals = quantized_row_sum(recv[:, :data], piece_scales(agreed, sizes, recv.device), CHUNK)
     offset = 0
-    for i, (m, state) in enumerate(zip(records, states)):
-        size = m.layout.shard_numel
-        by_exponent: dict[int, list[torch.Tensor]] = {}
-        for rank, row in enumerate(recv):
-            code = codes[rank][i]
-            if code != code:
-                state.nonfinite = True
-            elif code != ZERO:
-                by_exponent.setdefault(int(code) * GRID, []).append(row[offset:offset + size])
-        if not state.nonfinite:
-            for exponent, chunks in by_exponent.items():
-                exact.add(state, exponent, _quantized_sum(chunks, exponent))
+    for state, size, column, exponent in zip(states, sizes, columns, agreed):
+        if exponent is not None:
+            exact.add(state, exponent, totals[offset:offset + size])
+        else:
+            _add_mixed(state, column, recv[:, offset:offset + size])
         offset += size
 
 
-def _quantized_sum(chunks: list[torch.Tensor], exponent: int) -> torch.Tensor:
-    """``sum_k round(chunks[k] * 2**exponent)`` as int64, in cache-sized pieces (each below ``2**50``)."""
-    total = alloc(chunks[0].numel(), torch.int64, chunks[0].device)
-    for start in range(0, total.numel(), CHUNK):
-        out = total[start:start + CHUNK]
-        out.copy_(rounded(chunks[0][start:start + CHUNK], exponent))
-        for chunk in chunks[1:]:
-            out.add_(rounded(chunk[start:start + CHUNK], exponent).to(torch.int64))
-    return total
+def _agreed(column: tuple) -> Optional[int]:
+    """The exponent every unit of a parameter quantizes at, or None (several, a zero or nonfinite grad)."""
+    first = column[0]
+    if first != first or first == ZERO or any(code != first for code in column):
+        return None
+    return int(first) * GRID
+
+
+def _add_mixed(state: ExactGrad, column: tuple, chunks: torch.Tensor) -> None:
+    """Add a parameter's chunks whose units differ (several exponents, zero or nonfinite grads): one
+    sum per exponent present; a nonfinite unit makes the grad nan."""
+    by_exponent: dict[int, list[int]] = {}
+    for rank, code in enumerate(column):
+        if code != code:
+            state.nonfinite = True
+        elif code != ZERO:
+            by_exponent.setdefault(int(code) * GRID, []).append(rank)
+    if state.nonfinite:
+        return
+    for exponent, ranks in by_exponent.items():
+        rows = chunks[ranks]
+        exact.add(state, exponent, quantized_row_sum(rows, piece_scales([exponent], [rows.shape[1]], rows.device),
+                                                     CHUNK))
 
 
 def _full(p: nn.Parameter, m: ParamMeta) -> torch.Tensor:
