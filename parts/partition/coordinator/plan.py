@@ -49,7 +49,7 @@ class Knobs:
     submodule fetches its own parameters.
     ``reproducible``: grads are summed in fixed point (int64, core/exact_grads.py), so the grad
     shards, and the weights a run steps to, are the same bits at every world size that computes
-    the same units (``parts.partition.units``; docs/reproducibility.md).
+    the same units (``parts.partition.reproducible``; docs/reproducibility.md).
     """
 
     prefetch_bucket_size: int = 5_000_000
