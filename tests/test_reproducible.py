@@ -302,19 +302,20 @@ def test_split_squares_sum_to_the_exact_sum_of_squares(seed: int) -> None:
     assert (high, low) == split_squares(values.flip(0), e, e_low)  # any order, the same words
 
 
-def train_gpt_model(hybrid: bool, bf16: bool, steps: int) -> dict:
-    """The main recipe's GPT (small), fp32 masters, AdamW clipped at 1.0, 12 units of 2 sequences per step."""
+def train_gpt_model(hybrid: bool, bf16: bool, steps: int, kind: str = "adamw") -> dict:
+    """The main recipe's GPT (small), fp32 masters, clipped at 1.0, 12 units of 2 sequences per step:
+    AdamW, Muon on the matrices with AdamW on the rest (``muon``), or Adafactor."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
     from gpt_model import GPT, GPTConfig
     from parts.partition import (MixedPrecision, attach, backward_units, clip_grad_norm_, full_state_dict,
-                                 partitioned, shards)
+                                 partitioned, route, shards)
     torch.manual_seed(0)
     with partitioned(**_layout(hybrid)):
         model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     attach(model, reproducible=True, mixed_precision=MixedPrecision() if bf16 else None)
-    opt = torch.optim.AdamW(shards(model), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    opts = _gpt_optimizers(shards(model), kind)
     losses = []
     for step in range(steps):
         starts = torch.randint(0, 64, (24, 1), generator=torch.Generator().manual_seed(step))
@@ -322,9 +323,20 @@ def train_gpt_model(hybrid: bool, bf16: bool, steps: int) -> dict:
         batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         losses.append(float(backward_units(model, batch, UNITS, lambda m, b: m(*b))))
         clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad()
-    return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": []}
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": [],
+            "paths": [route(opt) for opt in opts]}
+
+
+def _gpt_optimizers(leaves: list, kind: str) -> list:
+    if kind == "adafactor":
+        return [torch.optim.Adafactor(leaves, lr=1e-2)]
+    if kind == "muon":
+        return [torch.optim.Muon([s for s in leaves if s.ndim == 2], lr=2e-2),
+                torch.optim.AdamW([s for s in leaves if s.ndim != 2], lr=3e-3, betas=(0.9, 0.95))]
+    return [torch.optim.AdamW(leaves, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)]
 
 
 @pytest.mark.slow
@@ -335,6 +347,18 @@ def test_the_recipe_gpt_gives_the_same_bits_at_world_1_2_3_4_and_2x2(bf16: bool)
         ranks = run(4 if layout == "2x2" else layout, train_gpt_model, layout == "2x2", bf16, 50, timeout=300)
         results[layout] = ranks[0]
     _assert_equal(results)
+    assert results[1]["losses"][-1] < results[1]["losses"][0]  # it trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_the_recipe_gpt_with_a_whole_tensor_optimizer_gives_the_same_bits_at_world_1_2_3_4_and_2x2(kind: str) -> None:
+    results = {}
+    for layout in LAYOUTS:
+        ranks = run(4 if layout == "2x2" else layout, train_gpt_model, layout == "2x2", False, 50, kind, timeout=300)
+        results[layout] = ranks[0]
+    _assert_equal(results)
+    assert results[3]["paths"][0] == "whole"  # stepped on the full tensors by their owners
     assert results[1]["losses"][-1] < results[1]["losses"][0]  # it trained
 
 
