@@ -1,5 +1,6 @@
 """Reproducible mode's other norms: ``BF16Optimizer`` clipping by a norm over a grid
-(``norm_groups``) and ``clip_grad_norm_(model, grid=...)`` give the same bits at world 1, 2 and 3;
+(``norm_groups``) and ``clip_grad_norm_(model, grid=...)`` give the same bits at world 1, 2 and 3
+over one tp rank, and at dp 1 and 2 over two;
 the combinations whose sums stay in float are refused with an error naming the part: grads
 consumed by ``OffloadedOptimizer.step_in_backward`` under a clip, and parameters that
 ``BF16Optimizer`` shards itself beside a reproducible model."""
@@ -98,3 +99,58 @@ def self_sharded_beside() -> str:
 def test_bf16optimizer_refuses_parameters_it_would_average_in_float_beside_a_reproducible_model() -> None:
     for message in run(2, self_sharded_beside):
         assert "'extra.bias'" in message and "reproducible" in message and "partitioned()" in message
+
+
+TP_SHAPE = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+def tp_grid_train(kind: str) -> dict:
+    """``STEPS`` reproducible steps of the 2-D recipe's tensor-parallel GPT over a ``ParallelGrid(tp=2)``
+    (dp = world / 2), clipped at 0.05 by the norm over the grid, as in ``grid_train``; this rank's
+    tp slices of the weights."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+    from gpt_model import GPTConfig
+    from gpt_tp_model import TPGPT
+    from parts.optim import BF16Optimizer
+    from parts.parallel import ParallelGrid, tp_split
+    from parts.partition import (attach, backward_units, clip_grad_norm_, full_state_dict, partitioned,
+                                 register_external_parameter, shards)
+    grid = ParallelGrid(2)
+    torch.manual_seed(0)
+    with partitioned(group=grid.dp_group):
+        model = TPGPT(GPTConfig(**TP_SHAPE), grid.tp_group, seed=0)
+    attach(model, group=grid.dp_group, reproducible=True)
+    register_external_parameter(model, model.wte.weight)  # the tied head runs in the root's forward
+    if kind == "bf16optimizer":
+        opt = BF16Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), group=grid.dp_group, clip_grad=0.05,
+                            norm_groups=(grid.tp_group,), replicated=lambda p: tp_split(p) is None,
+                            allow_fp32=True)
+    else:
+        opt = torch.optim.AdamW(shards(model), lr=1e-2)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(step))
+        batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        losses.append(float(backward_units(model, batch, 4, lambda m, b: m(*b), group=grid.dp_group)))
+        if kind == "clip":
+            norms.append(float(clip_grad_norm_(model, 0.05, grid=grid)))
+        opt.step()
+        opt.zero_grad()
+        if kind == "bf16optimizer":
+            norms.append(opt.last_grad_norm)
+    return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": norms,
+            "tp_rank": grid.tp_rank}
+
+
+@pytest.mark.parametrize("kind", ["bf16optimizer", "clip"])
+def test_a_clip_norm_over_a_grid_of_two_tp_ranks_gives_the_same_bits_at_dp_1_and_2(kind: str) -> None:
+    by_tp_rank: dict[int, list[dict]] = {0: [], 1: []}
+    for world in (2, 4):
+        for result in run(world, tp_grid_train, kind, timeout=120):
+            by_tp_rank[result["tp_rank"]].append(result)
+    assert all(n > 0.05 for n in by_tp_rank[0][0]["norms"])  # the clip scaled every step
+    assert not torch.equal(by_tp_rank[0][0]["weights"]["blocks.0.fc.weight"],
+                           by_tp_rank[1][0]["weights"]["blocks.0.fc.weight"])  # two different tp slices
+    for results in by_tp_rank.values():
+        _assert_equal(dict(enumerate(results)))
