@@ -6,6 +6,7 @@ size; the fixed-point sums are closer to the exact sum than fp32 sums; compressi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Union
 
 import pytest
 import torch
@@ -39,8 +40,11 @@ def _batch(step: int) -> tuple:
     return torch.randn(ROWS, 8, generator=g), torch.randn(ROWS, 4, generator=g)
 
 
-def _layout(hybrid: bool) -> dict:
-    """``partitioned`` arguments: the default group, or a 2 x 2 layout (shard groups of two, replicated twice)."""
+def _layout(hybrid: Union[bool, str]) -> dict:
+    """``partitioned`` arguments: the default group, a 2 x 2 layout (shard groups of two, replicated
+    twice), or with ``"nodes"`` full sharding over ranks taken as nodes of two."""
+    if hybrid == "nodes":
+        return {"ranks_per_node": 2}
     if not hybrid:
         return {}
     rank = dist.get_rank()
@@ -117,8 +121,8 @@ def _resume(model: torch.nn.Module, opts: list, path: str) -> int:
 
 
 def _run(layout: object, *args: object, **kwargs: object) -> dict:
-    world = 4 if layout == "2x2" else layout
-    results = run(world, train, layout == "2x2", *args, timeout=120, **kwargs)
+    world = 4 if layout in ("2x2", "nodes") else layout
+    results = run(world, train, "nodes" if layout == "nodes" else layout == "2x2", *args, timeout=120, **kwargs)
     for r in results[1:]:  # every rank holds the same full weights
         assert all(torch.equal(r["weights"][k], v) for k, v in results[0]["weights"].items())
     return results[0]
@@ -157,6 +161,11 @@ def test_adamw_with_clipping_gives_the_same_bits_at_world_1_2_3_4_and_2x2() -> N
 
 def test_mixed_precision_bf16_gives_the_same_bits_at_world_1_2_3_and_2x2() -> None:
     _assert_equal({layout: _run(layout, bf16=True) for layout in (1, 2, 3, "2x2")})
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_two_nodes_of_two_ranks_give_the_same_bits_as_one_process(bf16: bool) -> None:
+    _assert_equal({layout: _run(layout, bf16=bf16) for layout in (1, "nodes")})
 
 
 @pytest.mark.slow
@@ -211,20 +220,22 @@ def test_compression_refuses_reproducible_mode_naming_the_knob() -> None:
 
 
 def test_units_of_very_different_magnitude_sum_to_the_same_bits_at_every_world_size() -> None:
-    scales = [1.0, 3e5, 1.0, 2e-6, 7.0, 1.0]
-    results = {w: run(w, gathered_grads, scales) for w in (1, 2, 3)}
+    scales = [1.0, 3e5, 1.0, 2e-6, 7.0, 1.0, 0.5, 1.0, 4e3, 1.0, 1.0, 9e-4]
+    results = {w: run(w, gathered_grads, scales, {}) for w in (1, 2, 3, 4)}
+    results["two nodes"] = run(4, gathered_grads, scales, {"ranks_per_node": 2})
     assert results[1][0]["exponents"] > 1  # the sums are kept at several exponents
     for w, ranks in results.items():
         for k, v in results[1][0]["grads"].items():
             assert torch.equal(torch.cat([r["grads"][k] for r in ranks])[:v.numel()], v), (w, k)
 
 
-def gathered_grads(scales: list) -> dict:
+def gathered_grads(scales: list, layout: dict) -> dict:
     """One backward of units whose targets differ in scale by ``scales`` (so their grads get
-    different exponents and a reduce-scatter carries several): this rank's grad shards."""
+    different exponents and a reduce-scatter carries several), sharded with ``layout``
+    (``partitioned`` arguments): this rank's grad shards."""
     from parts.partition import attach, backward_units, meta, partitioned
     torch.manual_seed(0)
-    with partitioned():
+    with partitioned(**layout):
         model = Net()
     attach(model, reproducible=True)
     x, y = _batch(0)
@@ -416,25 +427,39 @@ def test_a_large_parameter_has_the_same_grad_and_norm_at_world_1_2_and_3() -> No
             assert torch.equal(torch.cat([r["grads"][k] for r in ranks])[:v.numel()], v), (w, k)
 
 
-def grad_reduction_bytes(reproducible: bool) -> dict:
-    """One backward of ``Net`` (attached with or without ``reproducible``): the bytes this rank sent
-    by kind, and the parameter count."""
+def grad_reduction_bytes(reproducible: bool, layout: dict) -> dict:
+    """One backward of ``Net`` sharded with ``layout`` (``partitioned`` arguments), attached with or
+    without ``reproducible``: the bytes this rank sent per group and kind, and the parameter count."""
     from parts.comm import comm_counter
     from parts.partition import attach, partitioned
     torch.manual_seed(0)
-    with partitioned():
+    with partitioned(**layout):
         model = Net()
     attach(model, reproducible=reproducible)
-    before = comm_counter.snapshot()
+    before = comm_counter.by_group()
     loss_fn(model, _batch(0)).backward()
-    after = comm_counter.snapshot()
-    sent = {k: after[k] - before[k] for k in ("reduce_scatter_bytes", "all_to_all_bytes")}
-    return {**sent, "params": len(list(model.parameters()))}
+    sent = {group: {kind: count - before.get(group, {}).get(kind, 0) for kind, count in kinds.items()}
+            for group, kinds in comm_counter.by_group().items()}
+    return {"sent": sent, "params": len(list(model.parameters()))}
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_exact_grad_exchange_sends_the_default_reduce_scatters_bytes_and_one_code_per_parameter(world: int) -> None:
-    default, exact = run(world, grad_reduction_bytes, False)[0], run(world, grad_reduction_bytes, True)[0]
-    assert default["all_to_all_bytes"] == 0 and exact["reduce_scatter_bytes"] == 0
+    default, exact = (run(world, grad_reduction_bytes, mode, {})[0] for mode in (False, True))
+    group = ",".join(map(str, range(world)))
+    default_sent, exact_sent = default["sent"][group], exact["sent"][group]
+    assert default_sent.get("all_to_all_bytes", 0) == 0 and exact_sent.get("reduce_scatter_bytes", 0) == 0
     codes = (world - 1) * 4 * exact["params"]  # one fp32 code per parameter to each other rank
-    assert exact["all_to_all_bytes"] == default["reduce_scatter_bytes"] + codes
+    assert exact_sent["all_to_all_bytes"] == default_sent["reduce_scatter_bytes"] + codes
+
+
+def test_over_two_nodes_the_exact_exchange_crosses_between_nodes_once_as_int64_sums() -> None:
+    """World 4 taken as two nodes of two ranks: within the node the exchange sends the default
+    reduce-scatter's bytes plus the codes; across the nodes (rank 0's group with rank 2) the
+    node's int64 sums, twice the default's fp32 sums (every parameter's units share one exponent
+    here), and a small MAX all-reduce of the exponent spans."""
+    default, exact = (run(4, grad_reduction_bytes, mode, {"ranks_per_node": 2})[0] for mode in (False, True))
+    node, across = exact["sent"]["0,1"], exact["sent"]["0,2"]
+    assert node["all_to_all_bytes"] == default["sent"]["0,1"]["reduce_scatter_bytes"] + 4 * exact["params"]
+    assert across["reduce_scatter_bytes"] == 2 * default["sent"]["0,2"]["reduce_scatter_bytes"]
+    assert across["check_bytes"] == 3 * 8 * exact["params"]  # [highest, -lowest, nonfinite] per parameter

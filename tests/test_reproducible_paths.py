@@ -23,7 +23,7 @@ def grid_train(kind: str) -> dict:
     norm over the grid: ``BF16Optimizer(norm_groups=(tp_group,))`` or ``clip_grad_norm_(grid=)``."""
     from parts.optim import BF16Optimizer
     from parts.parallel import ParallelGrid
-    from parts.partition import attach, backward_units, clip_grad_norm_, full_state_dict, partitioned, shards
+    from parts.partition import attach, full_state_dict, partitioned, shards
     grid = ParallelGrid(1)
     torch.manual_seed(0)
     with partitioned(group=grid.dp_group):
@@ -34,16 +34,25 @@ def grid_train(kind: str) -> dict:
                             norm_groups=(grid.tp_group,), allow_fp32=True)
     else:
         opt = torch.optim.AdamW(shards(model), lr=1e-2)
+    losses, norms = _clipped_steps(model, opt, kind, grid, _batch, UNITS, loss_fn)
+    return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": norms}
+
+
+def _clipped_steps(model: torch.nn.Module, opt: object, kind: str, grid: object, batch_of: object, units: int,
+                   loss: object) -> tuple[list, list]:
+    """``STEPS`` steps of ``backward_units`` over the dp group, clipped at 0.05 by the norm over the grid
+    (``clip_grad_norm_(grid=)`` for ``clip``, else inside ``BF16Optimizer``): the losses and the norms."""
+    from parts.partition import backward_units, clip_grad_norm_
     losses, norms = [], []
     for step in range(STEPS):
-        losses.append(float(backward_units(model, _batch(step), UNITS, loss_fn, group=grid.dp_group)))
+        losses.append(float(backward_units(model, batch_of(step), units, loss, group=grid.dp_group)))
         if kind == "clip":
             norms.append(float(clip_grad_norm_(model, 0.05, grid=grid)))
         opt.step()
         opt.zero_grad()
         if kind == "bf16optimizer":
             norms.append(opt.last_grad_norm)
-    return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": norms}
+    return losses, norms
 
 
 @pytest.mark.parametrize("kind", ["bf16optimizer", "clip"])
@@ -104,6 +113,12 @@ def test_bf16optimizer_refuses_parameters_it_would_average_in_float_beside_a_rep
 TP_SHAPE = dict(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
 
 
+def _tokens(step: int) -> tuple:
+    """Step ``step``'s global batch of 8 sequences for the GPT of ``TP_SHAPE``: inputs and targets."""
+    tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
 def tp_grid_train(kind: str) -> dict:
     """``STEPS`` reproducible steps of the 2-D recipe's tensor-parallel GPT over a ``ParallelGrid(tp=2)``
     (dp = world / 2), clipped at 0.05 by the norm over the grid, as in ``grid_train``; this rank's
@@ -114,8 +129,7 @@ def tp_grid_train(kind: str) -> dict:
     from gpt_tp_model import TPGPT
     from parts.optim import BF16Optimizer
     from parts.parallel import ParallelGrid, tp_split
-    from parts.partition import (attach, backward_units, clip_grad_norm_, full_state_dict, partitioned,
-                                 register_external_parameter, shards)
+    from parts.partition import attach, full_state_dict, partitioned, register_external_parameter, shards
     grid = ParallelGrid(2)
     torch.manual_seed(0)
     with partitioned(group=grid.dp_group):
@@ -128,17 +142,7 @@ def tp_grid_train(kind: str) -> dict:
                             allow_fp32=True)
     else:
         opt = torch.optim.AdamW(shards(model), lr=1e-2)
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(step))
-        batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-        losses.append(float(backward_units(model, batch, 4, lambda m, b: m(*b), group=grid.dp_group)))
-        if kind == "clip":
-            norms.append(float(clip_grad_norm_(model, 0.05, grid=grid)))
-        opt.step()
-        opt.zero_grad()
-        if kind == "bf16optimizer":
-            norms.append(opt.last_grad_norm)
+    losses, norms = _clipped_steps(model, opt, kind, grid, _tokens, 4, lambda m, b: m(*b))
     return {"weights": full_state_dict(model, rank0_only=False), "losses": losses, "norms": norms,
             "tp_rank": grid.tp_rank}
 

@@ -12,6 +12,12 @@ are exact in any order, so what each rank sums is the same whatever the world si
 the units are paired. The sums are added to the parameter's ``ExactGrad`` and the grad shard is
 written from them; no division by the world size (each unit's loss carries its ``1 / units``
 scale: ``parts.partition.reproducible``). The full grads are freed once they are packed.
+
+Over a group with a topology (``parts.comm.topology``: several nodes) the exchange takes two
+hops, so that each node's sums cross between nodes once, as the default reduce-scatter's do:
+the all-to-all runs within the node (local rank ``i`` receives its node's pieces for local
+rank ``i`` of every node and sums them per exponent), then the int64 sums are reduce-scattered
+across the nodes, one per exponent any node has (their span agreed by a MAX all-reduce).
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import torch
 from torch import nn
 
 from parts.base.fixed_point import GRID, largest, piece_scales, quantized_row_sum, unit_exponent
-from parts.comm import GroupArg, all_to_all
+from parts.comm import GroupArg, GroupInfo, all_to_all, max_everywhere, reduce_scatter_many
 from parts.partition.core import exact
-from parts.partition.core.exact import ExactGrad
+from parts.partition.core.exact import NONE, ExactGrad
 from parts.partition.core.grads import ReduceHandle
 from parts.partition.core.param import ParamMeta, alloc, common_info, metas_sorted
 from parts.partition.core.replicas import mark_pending
@@ -50,16 +56,22 @@ def reduce_scatter_exact(params: Iterable[nn.Parameter], group: GroupArg = None,
     for p, _ in pairs:
         p.grad = None
     states = [exact.begin(m, info.world_size) for m in records]
-    send = _pack(grads, records, _codes(grads), info.world_size)
+    topo = info.topology if info.world_size > 1 else None
+    nodes, peers = (topo.nodes, topo.per_node) if topo is not None else (1, info.world_size)
+    send = _pack(grads, records, _codes(grads), nodes, peers)
     del grads
     recv = torch.empty_like(send)
     width = send.shape[1]
-    work = all_to_all(recv.view(-1), send.view(-1), [width] * info.world_size, [width] * info.world_size,
-                      info, async_op=True)
+    work = all_to_all(recv.view(-1), send.view(-1), [width] * peers, [width] * peers,
+                      info if topo is None else topo.node, async_op=True)
     del send
 
     def finish() -> None:
-        _sum_received(recv, records, states)
+        sums = _received_sums(recv, [nodes * m.layout.shard_numel for m in records])
+        if topo is None:
+            _add(states, sums)
+        else:  # this rank holds its pieces for every node: sum them across the nodes
+            _across_nodes(sums, records, states, topo.across)
         for m, state in zip(records, states):
             exact.land(m, exact.value(state, m.layout.shard_numel, m.device))
         mark_pending(records)  # a hybrid layout: the replicas' sums at the step (core/exact.py)
@@ -83,22 +95,28 @@ def _codes(grads: list[torch.Tensor]) -> list[float]:
     return codes
 
 
-def _pack(grads: list[torch.Tensor], records: list[ParamMeta], codes: list[float], world: int) -> torch.Tensor:
-    """The send buffer, one row per destination rank: its chunk of every grad (zero padded), then
-    the codes; in the grads' common dtype (a widening cast is exact)."""
+def _pack(grads: list[torch.Tensor], records: list[ParamMeta], codes: list[float], nodes: int,
+          peers: int) -> torch.Tensor:
+    """The send buffer, one row per peer (local rank ``i`` of ``peers`` on each of ``nodes`` nodes; one
+    node: the group rank): the chunk of every grad for group rank ``n * peers + i`` of each node
+    ``n`` (zero padded), then the codes; in the grads' common dtype (a widening cast is exact)."""
     dtype = reduce(torch.promote_types, (g.dtype for g in grads))
-    width = sum(m.layout.shard_numel for m in records) + len(records)
-    send = alloc(world * width, dtype, records[0].device).view(world, width)
+    width = nodes * sum(m.layout.shard_numel for m in records) + len(records)
+    send = alloc(peers * width, dtype, records[0].device).view(peers, width)
     offset = 0
     for grad, m in zip(grads, records):
-        _chunks(send[:, offset:offset + m.layout.shard_numel], grad)
-        offset += m.layout.shard_numel
-    send[:, offset:].copy_(torch.tensor(codes, dtype=dtype).expand(world, -1))
+        size = m.layout.shard_numel
+        blocks = send[:, offset:offset + nodes * size].view(peers, nodes, size)
+        for node in range(nodes):
+            _chunks(blocks[:, node], grad[node * peers * size:(node + 1) * peers * size])
+        offset += nodes * size
+    send[:, offset:].copy_(torch.tensor(codes, dtype=dtype).expand(peers, -1))
     return send
 
 
 def _chunks(block: torch.Tensor, grad: torch.Tensor) -> None:
-    """Lay the flat ``grad`` out as ``block``'s rows of one chunk each, the rest zeros."""
+    """Lay the flat ``grad`` (a piece, maybe short or empty) out as ``block``'s rows of one chunk each,
+    the rest zeros."""
     size = block.shape[1]
     if size == 0:
         return
@@ -110,21 +128,23 @@ def _chunks(block: torch.Tensor, grad: torch.Tensor) -> None:
         block[full + 1:].zero_()
 
 
-def _sum_received(recv: torch.Tensor, records: list[ParamMeta], states: list[ExactGrad]) -> None:
-    """Quantize the chunks every rank sent at their units' exponents and add them into ``states``:
-    the parameters whose units all have one exponent in one pass over the rows, the others one by one."""
-    sizes = [m.layout.shard_numel for m in records]
+def _received_sums(recv: torch.Tensor, sizes: list[int]) -> list[Optional[dict]]:
+    """Each parameter's received pieces (``sizes`` elements per row), quantized at their units'
+    exponents and summed over the rows: ``{exponent: int64 sum}`` (empty: all zero), or None where
+    a unit was not finite. Parameters whose units all share one exponent in one pass over the rows."""
     data = sum(sizes)
-    columns = list(zip(*recv[:, data:].tolist()))  # each parameter's codes, one per rank
+    columns = list(zip(*recv[:, data:].tolist()))  # each parameter's codes, one per row
     agreed = [_agreed(column) for column in columns]
     totals = quantized_row_sum(recv[:, :data], piece_scales(agreed, sizes, recv.device), CHUNK)
+    out: list[Optional[dict]] = []
     offset = 0
-    for state, size, column, exponent in zip(states, sizes, columns, agreed):
+    for size, column, exponent in zip(sizes, columns, agreed):
         if exponent is not None:
-            exact.add(state, exponent, totals[offset:offset + size])
+            out.append({exponent: totals[offset:offset + size]})
         else:
-            _add_mixed(state, column, recv[:, offset:offset + size])
+            out.append(_mixed_sums(column, recv[:, offset:offset + size]))
         offset += size
+    return out
 
 
 def _agreed(column: tuple) -> Optional[int]:
@@ -135,21 +155,56 @@ def _agreed(column: tuple) -> Optional[int]:
     return int(first) * GRID
 
 
-def _add_mixed(state: ExactGrad, column: tuple, chunks: torch.Tensor) -> None:
-    """Add a parameter's chunks whose units differ (several exponents, zero or nonfinite grads): one
-    sum per exponent present; a nonfinite unit makes the grad nan."""
+def _mixed_sums(column: tuple, chunks: torch.Tensor) -> Optional[dict]:
+    """The sums of a parameter's rows whose units differ (several exponents, zero grads), one per
+    exponent present; None if a unit was not finite."""
     by_exponent: dict[int, list[int]] = {}
-    for rank, code in enumerate(column):
+    for row, code in enumerate(column):
         if code != code:
+            return None
+        if code != ZERO:
+            by_exponent.setdefault(int(code) * GRID, []).append(row)
+    sums = {}
+    for exponent, rows in by_exponent.items():
+        part = chunks[rows]
+        sums[exponent] = quantized_row_sum(part, piece_scales([exponent], [part.shape[1]], part.device), CHUNK)
+    return sums
+
+
+def _add(states: list[ExactGrad], sums: list[Optional[dict]]) -> None:
+    """Add each parameter's sums into its ``ExactGrad`` (None: a unit was not finite, the grad is nan)."""
+    for state, parts in zip(states, sums):
+        if parts is None:
             state.nonfinite = True
-        elif code != ZERO:
-            by_exponent.setdefault(int(code) * GRID, []).append(rank)
-    if state.nonfinite:
-        return
-    for exponent, ranks in by_exponent.items():
-        rows = chunks[ranks]
-        exact.add(state, exponent, quantized_row_sum(rows, piece_scales([exponent], [rows.shape[1]], rows.device),
-                                                     CHUNK))
+            continue
+        for exponent, part in parts.items():
+            exact.add(state, exponent, part)
+
+
+def _across_nodes(sums: list[Optional[dict]], records: list[ParamMeta], states: list[ExactGrad],
+                  across: GroupInfo) -> None:
+    """The second hop over a group with a topology: this node's sums of this rank's pieces for every
+    node, reduce-scattered in int64 over ``across`` (this local rank on every node), one sum per
+    exponent any node has (their span agreed by one MAX all-reduce), into ``states``."""
+    spans = []
+    for parts in sums:
+        spans += [NONE, NONE, 1] if parts is None else [max(parts), -min(parts), 0] if parts else [NONE, NONE, 0]
+    agreed = max_everywhere(spans, across)
+    outs, ins, where = [], [], []
+    for i, (parts, m) in enumerate(zip(sums, records)):
+        high, low, bad = agreed[3 * i:3 * i + 3]
+        if bad or high == NONE:
+            states[i].nonfinite = states[i].nonfinite or bool(bad)
+            continue
+        for exponent in range(-low, high + 1, GRID):
+            part = (parts or {}).get(exponent)
+            ins.append(part if part is not None else torch.zeros(across.world_size * m.layout.shard_numel,
+                                                                dtype=torch.int64, device=m.device))
+            outs.append(alloc(m.layout.shard_numel, torch.int64, m.device))
+            where.append((i, exponent))
+    if outs:
+        reduce_scatter_many(outs, ins, across)
+    _add([states[i] for i, _ in where], [{e: out} for (_, e), out in zip(where, outs)])
 
 
 def _full(p: nn.Parameter, m: ParamMeta) -> torch.Tensor:
