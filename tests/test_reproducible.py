@@ -229,11 +229,22 @@ def test_units_of_very_different_magnitude_sum_to_the_same_bits_at_every_world_s
             assert torch.equal(torch.cat([r["grads"][k] for r in ranks])[:v.numel()], v), (w, k)
 
 
+def test_a_unit_with_a_nonfinite_grad_makes_every_grad_shard_and_the_norm_nan_at_every_world_size() -> None:
+    scales = [1.0] * 12
+    scales[5] = float("inf")  # one unit's targets, so its loss and grads are not finite
+    results = {w: run(w, gathered_grads, scales, {}) for w in (1, 2, 3)}
+    results["two nodes"] = run(4, gathered_grads, scales, {"ranks_per_node": 2})
+    for w, ranks in results.items():
+        for r in ranks:
+            assert all(bool(g.isnan().all()) for g in r["grads"].values()), w
+            assert bool(r["norm"].isnan()), w
+
+
 def gathered_grads(scales: list, layout: dict) -> dict:
     """One backward of units whose targets differ in scale by ``scales`` (so their grads get
     different exponents and a reduce-scatter carries several), sharded with ``layout``
-    (``partitioned`` arguments): this rank's grad shards."""
-    from parts.partition import attach, backward_units, meta, partitioned
+    (``partitioned`` arguments): this rank's grad shards and the grad norm."""
+    from parts.partition import attach, backward_units, grad_norm, meta, partitioned
     torch.manual_seed(0)
     with partitioned(**layout):
         model = Net()
@@ -242,7 +253,8 @@ def gathered_grads(scales: list, layout: dict) -> dict:
     y = y * torch.tensor(scales).repeat_interleave(ROWS // len(scales))[:, None]
     backward_units(model, (x, y), len(scales), loss_fn)
     return {"grads": {name: meta(p).grad_shard.clone() for name, p in model.named_parameters()},
-            "exponents": max(len(meta(p).exact.sums) for p in model.parameters())}
+            "exponents": max(len(meta(p).exact.sums) for p in model.parameters()),
+            "norm": grad_norm(model)}
 
 
 def sum_errors() -> dict:
