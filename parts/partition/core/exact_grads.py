@@ -106,9 +106,12 @@ def _pack(grads: list[torch.Tensor], records: list[ParamMeta], codes: list[float
     offset = 0
     for grad, m in zip(grads, records):
         size = m.layout.shard_numel
-        blocks = send[:, offset:offset + nodes * size].view(peers, nodes, size)
-        for node in range(nodes):
-            _chunks(blocks[:, node], grad[node * peers * size:(node + 1) * peers * size])
+        if nodes == 1:
+            _chunks(send[:, offset:offset + size], grad)
+        else:
+            blocks = send[:, offset:offset + nodes * size].view(peers, nodes, size)
+            for node in range(nodes):
+                _chunks(blocks[:, node], grad[node * peers * size:(node + 1) * peers * size])
         offset += nodes * size
     send[:, offset:].copy_(torch.tensor(codes, dtype=dtype).expand(peers, -1))
     return send
