@@ -354,6 +354,7 @@ def train_gpt_model(hybrid: bool, bf16: bool, steps: int, kind: str = "adamw") -
 
 
 def _gpt_optimizers(leaves: list, kind: str) -> list:
+    """The optimizers of ``train_gpt_model``'s ``kind`` over the shards ``leaves``."""
     if kind == "adafactor":
         return [torch.optim.Adafactor(leaves, lr=1e-2)]
     if kind == "muon":
