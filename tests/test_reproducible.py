@@ -476,3 +476,42 @@ def test_over_two_nodes_the_exact_exchange_crosses_between_nodes_once_as_int64_s
     assert node["all_to_all_bytes"] == default["sent"]["0,1"]["reduce_scatter_bytes"] + 4 * exact["params"]
     assert across["reduce_scatter_bytes"] == 2 * default["sent"]["0,2"]["reduce_scatter_bytes"]
     assert across["check_bytes"] == 3 * 8 * exact["params"]  # [highest, -lowest, nonfinite] per parameter
+
+
+class TwoExperts(torch.nn.Module):
+    """A shared layer, then one of two experts, picked by the unit's data (as a router picks them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(16, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[int(x[0, 0] > 0)](torch.relu(self.inp(x)))
+
+
+def train_experts() -> dict:
+    """3 reproducible steps of ``TwoExperts`` over 4 units of which one takes expert 0, clipped at 0.05."""
+    from parts.partition import attach, backward_units, clip_grad_norm_, full_state_dict, partitioned, shards
+    torch.manual_seed(0)
+    with partitioned():
+        model = TwoExperts()
+    attach(model, reproducible=True)
+    start = full_state_dict(model, rank0_only=False)["experts.0.weight"]
+    opt = torch.optim.AdamW(shards(model), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 8, generator=data), torch.randn(8, 4, generator=data)
+        x[:, 0] = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, 1.0, 1.0, 1.0])  # unit 1 alone takes expert 0
+        backward_units(model, (x, y), 4, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        clip_grad_norm_(model, 0.05)
+        opt.step()
+        opt.zero_grad()
+    return {"weights": full_state_dict(model, rank0_only=False), "losses": [], "norms": [], "start": start}
+
+
+def test_units_that_run_different_experts_give_the_same_bits_at_world_1_2_and_4() -> None:
+    """At world 2 rank 1, and at world 4 ranks 0, 2 and 3, never run expert 0 in the step."""
+    results = {w: run(w, train_experts, timeout=120)[0] for w in (1, 2, 4)}
+    _assert_equal(results)
+    assert not torch.equal(results[1]["weights"]["experts.0.weight"], results[1]["start"])  # expert 0 trained

@@ -32,7 +32,6 @@ MAX_UNITS = 4096
 """Units one fixed-point sum holds without overflow: ``2**UNIT_BITS * MAX_UNITS <= 2**62``."""
 GRID = 16
 """Exponents are multiples of ``GRID``: units of similar magnitude share one."""
-_NARROW = (torch.float32, torch.bfloat16, torch.float16)
 MAX_EXPONENT = 960
 """The largest exponent (``2.0 ** 960`` is finite); smaller grads round to zero."""
 
@@ -70,27 +69,17 @@ def _top(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(high.to(torch.float64), low.to(torch.float64).neg())
 
 
-def rounded(values: torch.Tensor, exponent: int) -> torch.Tensor:
-    """``round(values * 2**exponent)`` as integers in a float tensor (copied into int64 exactly): an
-    exact scaling, one rounding (half to even). fp32 and narrower values scale in fp32 where
-    ``2**exponent`` is a normal fp32 number and the product stays below ``2**UNIT_BITS`` (a
-    power-of-two product is then exact, as in float64, at half the bytes)."""
-    if values.dtype in _NARROW and 0 <= exponent <= 100:
-        scaled = values.float().mul_(2.0 ** exponent) if values.dtype != torch.float32 else values * (2.0 ** exponent)
-    else:
-        scaled = values.to(torch.float64) * (2.0 ** exponent)
-    return scaled.round_()
-
-
 def quantize(values: torch.Tensor, exponent: int) -> torch.Tensor:
-    """``round(values * 2**exponent)`` as int64 (``rounded``)."""
-    return rounded(values, exponent).to(torch.int64)
+    """``round(values * 2**exponent)`` as int64: ``quantized_row_sum`` of one row."""
+    flat = values.reshape(1, -1)
+    return quantized_row_sum(flat, piece_scales([exponent], [flat.shape[1]], values.device))
 
 
 def piece_scales(exponents: Sequence[Optional[int]], sizes: Sequence[int], device: torch.device) -> torch.Tensor:
     """``2**e`` for every element of consecutive pieces of ``sizes`` elements quantized at
-    ``exponents`` (0 where None): fp32 where every exponent lies in ``[0, 100]`` (its products with
-    fp32 values below ``2**UNIT_BITS`` are exact, as in ``rounded``), else float64."""
+    ``exponents`` (0 where None): fp32 where every exponent lies in ``[0, 100]`` (a power-of-two
+    product of an fp32 or narrower value below ``2**UNIT_BITS`` is then exact in fp32, as in float64,
+    at half the bytes), else float64."""
     present = [e for e in exponents if e is not None]
     dtype = torch.float32 if all(0 <= e <= 100 for e in present) else torch.float64
     per_piece = torch.tensor([0.0 if e is None else 2.0 ** e for e in exponents], dtype=dtype)
@@ -98,8 +87,8 @@ def piece_scales(exponents: Sequence[Optional[int]], sizes: Sequence[int], devic
 
 
 def quantized_row_sum(rows: torch.Tensor, scales: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
-    """``sum_r round(rows[r] * scales)`` as int64 (each rounding as in ``rounded``: exact scaling by a
-    power of two, one rounding; integer sums exact), in column pieces of ``chunk`` that stay in cache."""
+    """``sum_r round(rows[r] * scales)`` as int64: per element an exact scaling by a power of two and
+    one rounding (half to even), the integer sums exact; in column pieces of ``chunk`` that stay in cache."""
     work = torch.promote_types(rows.dtype, scales.dtype)
     total = torch.empty(rows.shape[1], dtype=torch.int64, device=rows.device)
     for start in range(0, rows.shape[1], chunk):

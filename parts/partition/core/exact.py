@@ -140,10 +140,16 @@ def sum_replicas(records: list[ParamMeta]) -> None:
 
 
 def _span(state: ExactGrad) -> list[int]:
-    """``[highest exponent, -lowest exponent, nonfinite]`` of ``state``'s sums, for one MAX all-reduce."""
-    if not state.sums:
-        return [NONE, NONE, int(state.nonfinite)]
-    return [max(state.sums), -min(state.sums), int(state.nonfinite)]
+    """``span`` of ``state``'s sums."""
+    return span(state.sums, state.nonfinite)
+
+
+def span(sums: dict, nonfinite: bool) -> list[int]:
+    """``[highest exponent, -lowest exponent, nonfinite]`` of ``sums`` (``NONE`` for none), for one
+    MAX all-reduce that gives every rank the range of exponents any rank has."""
+    if not sums:
+        return [NONE, NONE, int(nonfinite)]
+    return [max(sums), -min(sums), int(nonfinite)]
 
 
 def _sum_at(m: ParamMeta, exponent: int) -> torch.Tensor:

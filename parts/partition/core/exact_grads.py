@@ -189,10 +189,7 @@ def _across_nodes(sums: list[Optional[dict]], records: list[ParamMeta], states: 
     """The second hop over a group with a topology: this node's sums of this rank's pieces for every
     node, reduce-scattered in int64 over ``across`` (this local rank on every node), one sum per
     exponent any node has (their span agreed by one MAX all-reduce), into ``states``."""
-    spans = []
-    for parts in sums:
-        spans += [NONE, NONE, 1] if parts is None else [max(parts), -min(parts), 0] if parts else [NONE, NONE, 0]
-    agreed = max_everywhere(spans, across)
+    agreed = max_everywhere([v for parts in sums for v in exact.span(parts or {}, parts is None)], across)
     outs, ins, where = [], [], []
     for i, (parts, m) in enumerate(zip(sums, records)):
         high, low, bad = agreed[3 * i:3 * i + 3]
